@@ -1,0 +1,1 @@
+"""graphspec: lossless speculative decoding as a graph of stages."""

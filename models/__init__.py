@@ -1,0 +1,1 @@
+"""graphspec.models: the Llama family from scratch (config, transformer, KV cache, loaders, tokenizer)."""
