@@ -7,3 +7,7 @@ from graphspec.kernels._dispatch import use_backend, requested_backend  # noqa: 
 from graphspec.kernels.attention import attention, attention_ref  # noqa: F401
 from graphspec.kernels.sampling import warp_logits, warp_logits_ref, sample, sample_ref, exponential_noise  # noqa: F401
 from graphspec.kernels.rejection import rejection_sample, rejection_sample_ref  # noqa: F401
+from graphspec.kernels.linear import linear, linear_ref  # noqa: F401
+from graphspec.kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: F401
+from graphspec.kernels.rope import rope, rope_ref, rope_inv_freq  # noqa: F401
+from graphspec.kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: F401

@@ -1,0 +1,310 @@
+"""Linear layer ``y = x @ W^T (+ bias)`` with fp32 accumulation: every projection of the model.
+
+- Two Triton kernels, chosen by the number of rows ``M`` (tokens):
+  * tiled GEMM (``M > 16``, prefill): ``BLOCK_M x BLOCK_N`` output tiles in grouped order
+    so neighbouring programs reuse weight tiles from L2;
+  * skinny GEMM (``M <= 16``, decode and verify): bound by reading the weight once, so the
+    weight read is spread over many programs: split over N, and over K when N alone gives
+    too few programs; split-K partials (fp32) are summed by a second small kernel in a
+    fixed order, so results are deterministic (no atomics).
+- Block sizes come from ``triton.autotune`` over configs made by a generator and pruned
+  by shape; the key buckets M to a power of two so a new prompt length does not retune.
+  Under Triton's interpreter there is exactly one config (the interpreter is slow and
+  benchmarks nothing).
+- fp32 inputs use ``input_precision="ieee"`` (no TF32: fp32 models are the accuracy
+  reference); bf16/fp16 feed tensor cores directly. Under the interpreter bf16 operands
+  are upcast first, because its bf16 ``dot`` is wrong.
+- The torch path is ``torch.nn.functional.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, interpreter_enabled, use_triton
+
+__all__ = ["linear", "linear_ref"]
+
+SKINNY_MAX_M = 16
+"""Rows up to this count take the skinny (memory-bound) kernel; tl.dot needs 16 rows anyway."""
+
+_INTERPRET = interpreter_enabled()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiled GEMM (prefill)
+
+
+def _tiled_configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=1)]
+    configs = []
+    for bm, bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4)):
+        if bm * bn > 128 * 128 or (warps == 8 and bm * bn < 128 * 128):
+            continue  # over-large tiles spill registers; 8 warps only pay off on the big tiles
+        configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                     num_warps=warps, num_stages=stages))
+    return configs
+
+
+def _prune_tiled(configs, named_args, **kwargs):
+    m_bucket, n = named_args["M_BUCKET"], named_args["N"]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(32, m_bucket) and c.kwargs["BLOCK_N"] <= max(64, n)]
+    return kept or configs[:1]
+
+
+@triton.autotune(configs=_tiled_configs(), key=["M_BUCKET", "N", "K", "HAS_BIAS"],
+                 prune_configs_by={"early_config_prune": _prune_tiled})
+@triton.jit
+def _linear_tiled_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (only read when HAS_BIAS)
+    y_ptr,  # [M, N], contiguous
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    M, N, K,
+    M_BUCKET,  # autotune key only
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]), fp32 accumulator; grid (cdiv(M, BM) * cdiv(N, BN),)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row-tiles walk the N tiles together, sharing weight tiles in L2.
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % group_m
+    pid_n = (pid % group_size) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Skinny GEMM (decode / verify)
+
+
+def _skinny_configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+            for bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3, 4))
+            if bn * bk <= 128 * 128]
+
+
+def _prune_skinny(configs, named_args, **kwargs):
+    n, k_split = named_args["N"], named_args["K_SPLIT"]
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= max(32, n) and c.kwargs["BLOCK_K"] <= max(64, k_split)]
+    return kept or configs[:1]
+
+
+@triton.autotune(configs=_skinny_configs(), key=["M_BUCKET", "N", "K", "SPLIT_K", "HAS_BIAS"],
+                 prune_configs_by={"early_config_prune": _prune_skinny})
+@triton.jit
+def _linear_skinny_kernel(
+    x_ptr,  # [M, K], M <= 16
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (only read when HAS_BIAS and SPLIT_K == 1)
+    out_ptr,  # SPLIT_K == 1: y [M, N] contiguous; else fp32 partials [SPLIT_K, M, N]
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    M, N, K,
+    K_SPLIT,  # K elements per split (the last split may be shorter)
+    M_BUCKET,  # autotune key only
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Partial y over one K range: out[s, m, n] = sum_{k in split s} x[m, k] * w[n, k]; grid (cdiv(N, BN), SPLIT_K)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_end
+        a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = out_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(part + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    part_ptr,  # [SPLIT_K, M * N] fp32
+    b_ptr,  # [N] (only read when HAS_BIAS)
+    y_ptr,  # [M * N], contiguous
+    MN, N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y = sum_s part[s] (+ bias), summed in split order so every run rounds the same way; grid (cdiv(M*N, BLOCK),)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_split_k(n: int, k: int, device: torch.device) -> int:
+    """Split K until there are ~4 programs per SM, keeping >= 512 of K per split."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    n_programs = triton.cdiv(n, 64)
+    want = triton.cdiv(4 * sms, n_programs)
+    return max(1, min(want, k // 512, 16))
+
+
+def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   split_k: int | None = None) -> torch.Tensor:
+    """Triton launcher; ``split_k`` overrides the skinny kernel's K split (tests use it)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)  # a view whenever the strides allow
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out_shape = (*x.shape[:-1], n)
+    if m == 0 or n == 0:
+        return y.reshape(out_shape)
+    if k == 0:
+        y.zero_()
+        if bias is not None:
+            y += bias
+        return y.reshape(out_shape)
+    has_bias = bias is not None
+    b = bias if has_bias else y  # placeholder pointer, never read
+    upcast = _INTERPRET and x.dtype == torch.bfloat16
+    m_bucket = triton.next_power_of_2(m)
+
+    if m > SKINNY_MAX_M and split_k is None:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _linear_tiled_kernel[grid](
+            x2, weight, b, y,
+            x2.stride(0), x2.stride(1),
+            weight.stride(0), weight.stride(1),
+            m, n, k, m_bucket,
+            HAS_BIAS=has_bias, UPCAST=upcast,
+        )
+        return y.reshape(out_shape)
+
+    if m > SKINNY_MAX_M:
+        raise ValueError(f"split_k applies to the skinny kernel (M <= {SKINNY_MAX_M}), got M={m}")
+    if split_k is None:
+        split_k = _choose_split_k(n, k, x.device)
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    k_split = triton.cdiv(k, split_k)
+    split_k = triton.cdiv(k, k_split)  # no empty splits
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split_k)  # noqa: E731
+    _linear_skinny_kernel[grid](
+        x2, weight, b, out,
+        x2.stride(0), x2.stride(1),
+        weight.stride(0), weight.stride(1),
+        m, n, k, k_split, m_bucket,
+        SPLIT_K=split_k, HAS_BIAS=has_bias, UPCAST=upcast, BLOCK_M=SKINNY_MAX_M,
+    )
+    if split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            out, b, y, m * n, n, SPLIT_K=split_k, HAS_BIAS=has_bias, BLOCK=block,
+        )
+    return y.reshape(out_shape)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch path and test oracle: ``torch.nn.functional.linear``."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[..., N] = x[..., K] @ weight[N, K]^T (+ bias[N])``, accumulated in fp32, returned in x.dtype.
+
+    x, weight and bias share one float dtype (fp32/bf16/fp16) and one device; any strides.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.ndim < 1:
+        raise ValueError("x must have at least 1 dimension ([..., K]), got a 0-d tensor")
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype} but x has dtype {x.dtype}; load the model in one dtype")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} ([N, K]) but x's last dimension is {x.shape[-1]}; "
+                         "K must match")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+        if bias.dtype != x.dtype:
+            raise ValueError(f"bias has dtype {bias.dtype} but x has dtype {x.dtype}; load the model in one dtype")
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias has {bias.shape[0]} elements but weight has N={weight.shape[0]} rows")
+    if use_triton(x):
+        return _linear_triton(x, weight, bias)
+    return linear_ref(x, weight, bias)
