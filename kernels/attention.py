@@ -101,5 +101,255 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return attention_ref(q, k, v, scale)
 
 
+# ----------------------------------------------------------------------------- Triton kernels
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # The interpreter multiplies bf16 operands wrongly, so there (DOT_FP32) the operands, already
+    # rounded to the storage dtype, are widened to fp32: same products, fp32 accumulation as on a GPU.
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attn_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [B, T, Hq, D]; k, v: [B, L, Hk, D]
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kl, stride_kh, stride_kd,
+    stride_vb, stride_vl, stride_vh, stride_vd,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    T, L, Hq, D, GROUP, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Flash attention for one (query tile, batch, query head); ``qk_scale = scale * log2(e)``."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < T
+    mask_d = offs_d < D
+
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+
+    # Finite start value: a row whose first tile is fully masked gets exp2(-inf - m) = 0, never nan.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_pos = (L - T) + offs_m  # key position of each query
+    # Causal: this tile's last query sees keys up to q_pos[-1]; later key tiles are skipped.
+    hi = tl.minimum(L, (L - T) + (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        n_idx = start_n + offs_n
+        mask_n = n_idx < L
+        kt = tl.load(k_base + n_idx[None, :] * stride_kl + offs_d[:, None] * stride_kd,
+                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = _dot(q, kt, DOT_FP32, DOT_PRECISION) * qk_scale
+        visible = (n_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + n_idx[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [B, T, Hq, D]; k, v: [B, L, Hk, D]
+    part_acc_ptr, part_m_ptr, part_l_ptr,  # [B*Hk, S, T*GROUP, D], [B*Hk, S, T*GROUP] x2, fp32
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kl, stride_kh, stride_kd,
+    stride_vb, stride_vl, stride_vh, stride_vd,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    T, L, Hk, D, GROUP, qk_scale, split_len, num_splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """Flash-decoding: one (batch, kv head, KV split); rows are the T*GROUP queries sharing the kv head.
+
+    Row r is query t = r // GROUP of head hk*GROUP + r % GROUP. With DIRECT (a single split) the
+    normalised output is stored at once; otherwise the partial (max, sum, acc) goes to the scratch.
+    """
+    pid_bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    b = pid_bh // Hk
+    hk = pid_bh % Hk
+    rows = tl.arange(0, BLOCK_M)
+    t = rows // GROUP
+    h = hk * GROUP + rows % GROUP
+    n_rows = T * GROUP
+    mask_r = rows < n_rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_pos = (L - T) + t
+    n_lo = split * split_len
+    n_hi = tl.minimum(L, n_lo + split_len)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        n_idx = start_n + offs_n
+        mask_n = n_idx < n_hi
+        kt = tl.load(k_base + n_idx[None, :] * stride_kl + offs_d[:, None] * stride_kd,
+                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = _dot(q, kt, DOT_FP32, DOT_PRECISION) * qk_scale
+        visible = (n_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + n_idx[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
+        m_i = m_new
+
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 out.to(o_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+    else:
+        # A split lying wholly after a row's last visible key leaves (m, l, acc) = (-1e30, 0, 0):
+        # weight 0 in the combine, since split 0 always holds key 0, visible to every row.
+        part = (pid_bh * num_splits + split) * n_rows + rows
+        tl.store(part_m_ptr + part, m_i, mask=mask_r)
+        tl.store(part_l_ptr + part, l_i, mask=mask_r)
+        tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_r[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _attn_combine_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr,  # [B*Hk, S, T*GROUP, D], [B*Hk, S, T*GROUP] x2, fp32
+    o_ptr,  # [B, T, Hq, D]
+    stride_ob, stride_ot, stride_oh, stride_od,
+    T, Hk, D, GROUP, num_splits,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the per-split partials of one query row: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1)
+    b = pid_bh // Hk
+    hk = pid_bh % Hk
+    t = row // GROUP
+    h = hk * GROUP + row % GROUP
+    n_rows = T * GROUP
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < D
+    part = (pid_bh * num_splits + offs_s) * n_rows + row
+    m_s = tl.load(part_m_ptr + part, mask=mask_s, other=-1.0e30)
+    l_s = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    acc_s = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    m = tl.max(m_s, 0)
+    w = tl.exp2(m_s - m)
+    denom = tl.sum(w * l_s, 0)
+    out = tl.sum(acc_s * w[:, None], 0) / denom
+    tl.store(o_ptr + b * stride_ob + t * stride_ot + h * stride_oh + offs_d * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=mask_d)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+_LOG2E = 1.4426950408889634
+_SPLIT_MAX_ROWS = 128  # T * GROUP rows held by one flash-decoding program
+_SPLIT_MAX_T = 16
+_MAX_SPLITS = 64
+
+
+def _launch_config(q):
+    """Dot operand handling: widen under the interpreter (bf16 dots are wrong there); fp32 via 3xTF32 on GPU."""
+    dot_fp32 = not q.is_cuda
+    precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    if dot_fp32:
+        precision = "ieee"
+    return dot_fp32, precision
+
+
+def _default_num_splits(q, B, Hk, L, block_n):
+    n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    want = triton.cdiv(2 * n_sm, max(1, B * Hk))  # about two programs per SM
+    return max(1, min(want, triton.cdiv(L, block_n), _MAX_SPLITS))
+
+
 def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int | None = None):
-    raise NotImplementedError("the Triton attention kernels are being written; use backend='torch'")
+    """Validate, pick the kernel, launch. ``mode`` ("prefill" / "split") and ``num_splits`` are test hooks."""
+    scale = _validate(q, k, v, scale)
+    B, T, Hq, D = q.shape
+    L, Hk = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+    if B == 0 or T == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(D))
+    dot_fp32, precision = _launch_config(q)
+    qk_scale = scale * _LOG2E
+    if mode is None:
+        mode = "split" if (T <= _SPLIT_MAX_T and T * G <= _SPLIT_MAX_ROWS) else "prefill"
+    if mode not in ("prefill", "split"):
+        raise ValueError(f"mode must be 'prefill', 'split' or None, got {mode!r}")
+    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
+
+    if mode == "prefill":
+        block_m, block_n = 64, 64
+        grid = (triton.cdiv(T, block_m), B * Hq)
+        _attn_prefill_kernel[grid](
+            q, k, v, out, *strides, T, L, Hq, D, G, qk_scale,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+            num_warps=4 if block_d <= 64 else 8,
+        )
+        return out
+
+    block_n = 64
+    block_m = max(16, triton.next_power_of_2(T * G))
+    if block_m > 2 * _SPLIT_MAX_ROWS:
+        raise ValueError(f"mode='split' holds T*Hq/Hk={T * G} query rows in one program; at most "
+                         f"{2 * _SPLIT_MAX_ROWS} are supported (use mode='prefill')")
+    if num_splits is None:
+        num_splits = _default_num_splits(q, B, Hk, L, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split_len = triton.cdiv(triton.cdiv(L, num_splits), block_n) * block_n  # whole KV tiles per split
+    num_splits = triton.cdiv(L, split_len)
+    direct = num_splits == 1
+    n_rows = T * G
+    if direct:
+        part_acc = part_m = part_l = out  # unused
+    else:
+        part_acc = torch.empty((B * Hk, num_splits, n_rows, D), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((B * Hk, num_splits, n_rows), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    _attn_split_kernel[(B * Hk, num_splits)](
+        q, k, v, out, part_acc, part_m, part_l, *strides, T, L, Hk, D, G, qk_scale, split_len, num_splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        DIRECT=direct, num_warps=4,
+    )
+    if not direct:
+        _attn_combine_kernel[(B * Hk, n_rows)](
+            part_acc, part_m, part_l, out, *out.stride(), T, Hk, D, G, num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
