@@ -1,0 +1,79 @@
+"""A static, preallocated KV cache: one ``[B, S_max, Hk, D]`` buffer pair per layer.
+
+- Allocated once for the longest sequence a run may reach, so decode steps never
+  allocate and the attention kernel reads a strided view ``k[:, :length]``.
+- ``length`` is one Python int shared by every row of the batch (rows advance in
+  lock step); it is host state on purpose, so slicing needs no device sync.
+- Rolling back after a rejected draft is ``truncate(n)``: only the length moves; the
+  stale entries beyond it are overwritten by the next ``append``.
+- A cache belongs to one run; a model holds weights only and can hand out many caches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        for name, v in (("num_layers", num_layers), ("batch_size", batch_size), ("capacity", capacity),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"KVCache {name}={v!r}; expected a positive integer")
+        shape = (batch_size, capacity, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+        self.capacity = capacity
+        self.batch_size = batch_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    def check_room(self, num_new: int) -> None:
+        """Raise before writing if ``num_new`` more positions would not fit."""
+        if self.length + num_new > self.capacity:
+            raise ValueError(
+                f"KV cache overflow: {self.length} positions cached + {num_new} new > capacity {self.capacity}; "
+                "create the cache with a larger max_seq_len (model.new_cache(max_seq_len=...))")
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k, v [B, T, Hk, D]`` at slots ``length .. length+T-1`` of one layer.
+
+        Returns that layer's valid keys and values ``[B, length+T, Hk, D]`` (views into the
+        buffers). ``length`` itself moves only in ``advance``, once every layer has written.
+        """
+        t = k.shape[1]
+        self.check_room(t)
+        start = self.length
+        self.k[layer][:, start:start + t] = k
+        self.v[layer][:, start:start + t] = v
+        return self.k[layer][:, :start + t], self.v[layer][:, :start + t]
+
+    def advance(self, num_new: int) -> None:
+        self.check_room(num_new)
+        self.length += num_new
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first ``n`` positions (after a rejected draft)."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.length:
+            raise ValueError(f"truncate(n={n!r}) needs 0 <= n <= length={self.length}")
+        self.length = n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def __repr__(self) -> str:
+        b, s, h, d = self.k[0].shape
+        return (f"KVCache(layers={self.num_layers}, batch_size={b}, length={self.length}, capacity={s}, "
+                f"kv_heads={h}, head_dim={d}, dtype={self.dtype})")
