@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import torch
 import triton
@@ -68,6 +69,7 @@ def _linear_tiled_kernel(
     y_ptr,  # [M, N], contiguous
     stride_xm, stride_xk,
     stride_wn, stride_wk,
+    stride_b,
     M, N, K,
     M_BUCKET,  # autotune key only
     HAS_BIAS: tl.constexpr,
@@ -108,7 +110,7 @@ def _linear_tiled_kernel(
         acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
 
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + offs_n * stride_b, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -141,6 +143,7 @@ def _linear_skinny_kernel(
     out_ptr,  # SPLIT_K == 1: y [M, N] contiguous; else fp32 partials [SPLIT_K, M, N]
     stride_xm, stride_xk,
     stride_wn, stride_wk,
+    stride_b,
     M, N, K,
     K_SPLIT,  # K elements per split (the last split may be shorter)
     M_BUCKET,  # autotune key only
@@ -178,7 +181,7 @@ def _linear_skinny_kernel(
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(b_ptr + offs_n * stride_b, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         part = out_ptr + pid_k.to(tl.int64) * M * N
@@ -190,6 +193,7 @@ def _split_k_reduce_kernel(
     part_ptr,  # [SPLIT_K, M * N] fp32
     b_ptr,  # [N] (only read when HAS_BIAS)
     y_ptr,  # [M * N], contiguous
+    stride_b,
     MN, N,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -202,7 +206,7 @@ def _split_k_reduce_kernel(
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(b_ptr + (offs % N) * stride_b, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -228,7 +232,7 @@ def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    split_k: int | None = None) -> torch.Tensor:
     """Triton launcher; ``split_k`` overrides the skinny kernel's K split (tests use it)."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)  # a view whenever the strides allow
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)  # a view whenever the strides allow
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out_shape = (*x.shape[:-1], n)
@@ -241,6 +245,7 @@ def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return y.reshape(out_shape)
     has_bias = bias is not None
     b = bias if has_bias else y  # placeholder pointer, never read
+    b_stride = bias.stride(0) if has_bias else 0
     upcast = _INTERPRET and x.dtype == torch.bfloat16
     m_bucket = triton.next_power_of_2(m)
 
@@ -250,6 +255,7 @@ def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             x2, weight, b, y,
             x2.stride(0), x2.stride(1),
             weight.stride(0), weight.stride(1),
+            b_stride,
             m, n, k, m_bucket,
             HAS_BIAS=has_bias, UPCAST=upcast,
         )
@@ -269,13 +275,14 @@ def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x2, weight, b, out,
         x2.stride(0), x2.stride(1),
         weight.stride(0), weight.stride(1),
+        b_stride,
         m, n, k, k_split, m_bucket,
         SPLIT_K=split_k, HAS_BIAS=has_bias, UPCAST=upcast, BLOCK_M=SKINNY_MAX_M,
     )
     if split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            out, b, y, m * n, n, SPLIT_K=split_k, HAS_BIAS=has_bias, BLOCK=block,
+            out, b, y, b_stride, m * n, n, SPLIT_K=split_k, HAS_BIAS=has_bias, BLOCK=block,
         )
     return y.reshape(out_shape)
 

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -105,11 +107,11 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 def _rmsnorm_triton(x, weight, eps, residual):
     hdim = x.shape[-1]
-    x2 = x.reshape(-1, hdim)
+    x2 = x.reshape(math.prod(x.shape[:-1]), hdim)
     m = x2.shape[0]
     y = torch.empty((m, hdim), dtype=x.dtype, device=x.device)
     if residual is not None:
-        r2 = residual.reshape(-1, hdim)
+        r2 = residual.reshape(x2.shape)
         h = torch.empty((m, hdim), dtype=x.dtype, device=x.device)
     else:
         r2, h = x2, y  # placeholders; the kernel neither reads nor writes them

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -45,8 +47,8 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.shape[-1]
-    g2 = gate.reshape(-1, n)  # a view whenever the strides allow, a copy otherwise
-    u2 = up.reshape(-1, n)
+    g2 = gate.reshape(math.prod(gate.shape[:-1]), n)  # a view whenever the strides allow, a copy otherwise
+    u2 = up.reshape(g2.shape)
     m = g2.shape[0]
     out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:

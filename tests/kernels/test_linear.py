@@ -1,0 +1,119 @@
+"""linear: the Triton kernels (tiled and skinny/split-K, run by Triton's interpreter) against linear_ref."""
+
+import pytest
+import torch
+
+from graphspec.kernels import use_backend
+from graphspec.kernels.linear import SKINNY_MAX_M, _choose_split_k, _linear_triton, linear, linear_ref
+from tests.kernels._compare import assert_close
+
+# Both paths accumulate exactly-representable products in fp32 and differ only in summation
+# order (~1e-6 relative here) and in the final rounding: the interpreter truncates fp32 -> bf16
+# where torch rounds to nearest, so bf16 may be 1 ulp (2^-7 relative) apart; fp16 rounds to
+# nearest on both sides but a summation-order difference can flip it, again 1 ulp (2^-10).
+TOL = {
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (1e-2, 1.6e-2),
+    torch.float16: (1e-3, 2e-3),
+}
+DTYPES = list(TOL)
+
+
+def _inputs(m, k, n, dtype, bias=True):
+    # Scaled so outputs are O(1): absolute tolerances then mean the same thing at every K.
+    x = torch.randn(m, k).to(dtype)
+    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 77])
+@pytest.mark.parametrize("k,n", [(130, 423), (17, 3)])
+def test_triton_matches_reference(m, k, n, dtype):
+    x, w, b = _inputs(m, k, n, dtype, bias=(m % 2 == 1))
+    with use_backend("triton"):
+        y = linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert_close(y, linear_ref(x, w, b), *TOL[dtype], name=f"linear m={m} k={k} n={n} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [2, 40])  # skinny and tiled
+def test_non_contiguous_inputs(m, dtype):
+    k, n = 96, 77
+    x = torch.randn(k, m).to(dtype).t()  # [M, K] with stride (1, M)
+    w = (torch.randn(k, n) / k ** 0.5).to(dtype).t()  # [N, K] with stride (1, N)
+    b = torch.randn(2 * n).to(dtype)[::2]  # stride 2
+    assert not x.is_contiguous() and not w.is_contiguous() and not b.is_contiguous()
+    with use_backend("triton"):
+        y = linear(x, w, b)
+    assert_close(y, linear_ref(x, w, b), *TOL[dtype], name=f"linear strided m={m} {dtype}")
+
+
+def test_leading_dims_and_sliced_batch():
+    x = torch.randn(2, 9, 5, 64)[:, 1:8:2]  # [2, 4, 5, 64], not viewable as 2-D without a copy
+    w = torch.randn(33, 64) / 8
+    with use_backend("triton"):
+        y = linear(x, w)
+        y1 = linear(x[0, 0, 0], w)  # 1-D input: one row
+    assert y.shape == (2, 4, 5, 33) and y1.shape == (33,)
+    assert_close(y, linear_ref(x, w), *TOL[torch.float32], name="linear 4-D")
+    assert_close(y1, linear_ref(x[0, 0, 0], w), *TOL[torch.float32], name="linear 1-D")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 7])
+def test_skinny_split_k(split_k, dtype):
+    x, w, b = _inputs(5, 300, 70, dtype)
+    y = _linear_triton(x, w, b, split_k=split_k)
+    assert_close(y, linear_ref(x, w, b), *TOL[dtype], name=f"linear split_k={split_k} {dtype}")
+    # Fixed-order reduction: running again gives bit-identical results.
+    assert torch.equal(y, _linear_triton(x, w, b, split_k=split_k))
+
+
+def test_split_k_heuristic_spreads_skinny_work():
+    cpu = torch.device("cpu")  # pretends to be a 132-SM device
+    assert _choose_split_k(151936, 1536, cpu) == 1  # the lm_head already has thousands of N tiles
+    assert _choose_split_k(1536, 8960, cpu) > 1  # few N tiles, long K: split
+    assert _choose_split_k(64, 300, cpu) == 1  # each split keeps >= 512 of K
+
+
+def test_empty_rows_and_zero_k():
+    w = torch.randn(5, 8)
+    with use_backend("triton"):
+        assert linear(torch.randn(0, 8), w).shape == (0, 5)
+        b = torch.randn(5)
+        assert_close(linear(torch.randn(3, 0), torch.randn(5, 0), b), b.expand(3, 5), 0, 0, name="K=0")
+
+
+def test_reference_matches_float64():
+    x, w, b = _inputs(7, 130, 50, torch.float32)
+    expected = x.double() @ w.double().t() + b.double()
+    assert_close(linear_ref(x, w, b), expected, 1e-5, 1e-5, name="linear_ref vs float64")
+    # bf16 reference accumulates in fp32: far better than a bf16 running sum would be.
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert_close(linear_ref(xb, wb), xb.double() @ wb.double().t(), 1e-2, 8e-3, name="bf16 linear_ref vs float64")
+
+
+def test_skinny_threshold_is_a_tl_dot_size():
+    assert SKINNY_MAX_M == 16  # tl.dot needs at least 16 rows; the skinny kernel pads M up to it
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 9)), "weight"),
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 8, 1)), "weight"),
+    (lambda: linear(torch.tensor(1.0), torch.randn(5, 1)), "x"),
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 8), torch.randn(4)), "bias"),
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 8), torch.randn(5, 1)), "bias"),
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 8, device="meta")), "weight"),
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 8), torch.randn(5, device="meta")), "bias"),
+    (lambda: linear(torch.randn(3, 8).double(), torch.randn(5, 8).double()), "x"),
+    (lambda: linear(torch.ones(3, 8, dtype=torch.int32), torch.randn(5, 8)), "x"),
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 8).bfloat16()), "weight"),
+    (lambda: linear(torch.randn(3, 8), torch.randn(5, 8), torch.randn(5).half()), "bias"),
+    (lambda: linear([[1.0]], torch.randn(1, 1)), "x"),
+])
+def test_bad_input_raises_value_error_naming_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
