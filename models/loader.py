@@ -1,0 +1,293 @@
+"""``load_model``: a Hugging Face checkpoint directory (or a zoo name) -> ``Transformer``.
+
+- Reads ``config.json`` (``ModelConfig``), every ``*.safetensors`` (one file, or the shards
+  that ``model.safetensors.index.json`` names) and, when present, the tokenizer files.
+- Never unpickles: weights come only from safetensors, opened memory-mapped with
+  ``safetensors.safe_open``. Each file's header is checked here first (length prefix within
+  the file, JSON object, float dtypes, data offsets inside the file and matching the shape),
+  so a truncated or corrupt download fails with the file's (and tensor's) name instead of a
+  crash deep inside a parser.
+- Tensor names are HF's (``model.layers.N.self_attn.q_proj.weight``...). Every expected
+  tensor must be there with its shape; missing, unexpected and mis-shaped tensors are all
+  reported in one error, each by name.
+- dtype: the argument, else the config's ``torch_dtype``/``dtype``, else fp32; tensors are
+  converted while loading.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from graphspec.kernels._dispatch import FLOAT_DTYPES
+from graphspec.models.config import ModelConfig
+from graphspec.models.tokenizer import Tokenizer
+from graphspec.models.transformer import Layer, Transformer
+
+INDEX_FILE = "model.safetensors.index.json"
+_ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_ALL_ST_DTYPES = {**_ST_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8,
+                  "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# Buffers some older checkpoints saved; we recompute them from the config, so they are not "unexpected".
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def load_model(path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               backend: str | None = None) -> Transformer:
+    """Load a Llama/Qwen2/Mistral checkpoint directory (or zoo name) onto ``device``.
+
+    dtype: torch.float32 / bfloat16 / float16 or their names; None uses the checkpoint's.
+    backend: None (dispatch by device), "torch" or "triton": pinned for this model's forward.
+    """
+    directory = _resolve(path)
+    config = ModelConfig.from_file(directory / "config.json")
+    dtype = _pick_dtype(dtype, config)
+    device = torch.device(device)
+    if backend not in (None, "auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
+
+    tensors = read_safetensors(directory, expected_shapes(config), dtype, device)
+    tokenizer = Tokenizer.from_dir(directory) if (directory / "tokenizer.json").is_file() else None
+    return build(config, tensors, tokenizer=tokenizer, backend=backend)
+
+
+def _resolve(path) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ValueError(f"{p} is a file; pass the checkpoint directory that holds config.json and *.safetensors")
+    name = str(path)
+    try:
+        from graphspec.models import zoo
+    except ImportError:
+        zoo = None
+    if zoo is None or not _is_zoo_name(zoo, name):
+        raise FileNotFoundError(f"checkpoint directory {p} does not exist"
+                                + ("" if zoo is None else " and it is not a known zoo model name"))
+    return Path(zoo.resolve(name))
+
+
+def _is_zoo_name(zoo, name: str) -> bool:
+    for attr in ("is_known", "known", "is_zoo_name"):
+        fn = getattr(zoo, attr, None)
+        if callable(fn):
+            return bool(fn(name))
+    for attr in ("MODELS", "ZOO", "REGISTRY", "CATALOG"):
+        table = getattr(zoo, attr, None)
+        if isinstance(table, dict):
+            return name in table
+    return "/" not in name and "\\" not in name  # a bare name: let zoo.resolve say whether it knows it
+
+
+def _pick_dtype(dtype, config: ModelConfig) -> torch.dtype:
+    if dtype is None:
+        return config.torch_dtype or torch.float32
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPE_NAMES:
+            raise ValueError(f"dtype={dtype!r}; supported: float32, bfloat16, float16")
+        return _DTYPE_NAMES[dtype.removeprefix("torch.")]
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype={dtype!r}; supported: torch.float32, torch.bfloat16, torch.float16")
+    return dtype
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config must hold, by HF name, with its shape."""
+    c = config
+    h, v, i = c.hidden_size, c.vocab_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+        })
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if c.attention_out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def build(config: ModelConfig, t: dict[str, torch.Tensor], tokenizer=None, backend=None) -> Transformer:
+    """Assemble a Transformer from HF-named tensors (already checked, converted and on their device)."""
+    layers = []
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        bqkv = None
+        if config.attention_bias:
+            bqkv = torch.cat([t.pop(a + "q_proj.bias"), t.pop(a + "k_proj.bias"), t.pop(a + "v_proj.bias")])
+        layers.append(Layer(
+            input_norm=t.pop(p + "input_layernorm.weight"),
+            wqkv=torch.cat([t.pop(a + "q_proj.weight"), t.pop(a + "k_proj.weight"), t.pop(a + "v_proj.weight")]),
+            bqkv=bqkv,
+            wo=t.pop(a + "o_proj.weight"),
+            bo=t.pop(a + "o_proj.bias") if config.attention_out_bias else None,
+            post_norm=t.pop(p + "post_attention_layernorm.weight"),
+            w13=torch.cat([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")]),
+            w2=t.pop(p + "mlp.down_proj.weight"),
+        ))
+    embed = t.pop("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else t.pop("lm_head.weight")
+    return Transformer(config, embed, layers, t.pop("model.norm.weight"), lm_head, tokenizer=tokenizer,
+                       backend=backend)
+
+
+# --- safetensors -----------------------------------------------------------------------------------------------
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of a checkpoint: the index's shards, else model.safetensors, else every *.safetensors."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index (JSON with a 'weight_map'): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise ValueError(f"{index} has a weight_map that is not a {{tensor name: shard file}} object")
+        shards = sorted(set(weight_map.values()))
+        for s in shards:
+            if Path(s).name != s:
+                raise ValueError(f"{index} names shard {s!r}, which is not a plain file name in the checkpoint directory")
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard(s) that do not exist in {directory}: {', '.join(missing)}; "
+                                    "the download is incomplete")
+        return [directory / s for s in shards]
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
+        hint = (f" (found {', '.join(pickles)}: pickled weights are never loaded; convert them to safetensors)"
+                if pickles else "")
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights{hint}")
+    return files
+
+
+def read_header(file: Path) -> dict[str, dict]:
+    """Check one safetensors file's framing and return its tensor entries {name: {dtype, shape, data_offsets}}."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"{file} is truncated or not a safetensors file: {size} bytes, shorter than the "
+                             "8-byte header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"{file} is truncated or corrupt: its header claims {n} bytes but the file has "
+                             f"{size} bytes")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} has a corrupt safetensors header (not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - n
+    for name, e in header.items():
+        where = f"{file}: tensor {name!r}"
+        if (not isinstance(e, dict) or not isinstance(e.get("shape"), list) or not isinstance(e.get("data_offsets"), list)
+                or len(e["data_offsets"]) != 2
+                or not all(isinstance(x, int) and x >= 0 for x in e["shape"] + e["data_offsets"])):
+            raise ValueError(f"{where} has a corrupt header entry {e!r}")
+        if e.get("dtype") not in _ALL_ST_DTYPES:
+            raise ValueError(f"{where} has unknown dtype {e.get('dtype')!r}")
+        start, end = e["data_offsets"]
+        numel = 1
+        for s in e["shape"]:
+            numel *= s
+        if end > data_size:
+            raise ValueError(f"{where} is truncated: its bytes end at {end} but the file holds only {data_size} "
+                             "bytes of data; re-download the file")
+        if end - start != numel * _ALL_ST_DTYPES[e["dtype"]]:
+            raise ValueError(f"{where} is corrupt: {end - start} bytes for shape {e['shape']} of {e['dtype']}")
+    return header
+
+
+def read_safetensors(directory: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """Load exactly the ``expected`` tensors from the checkpoint's safetensors files, converted to dtype/device."""
+    from safetensors import safe_open
+
+    files = safetensors_files(directory)
+    index_map = _index_map(directory)
+    where: dict[str, Path] = {}
+    entries: dict[str, dict] = {}
+    problems: list[str] = []
+    for file in files:
+        for name, e in read_header(file).items():
+            if name in where:
+                problems.append(f"{name} appears in both {where[name].name} and {file.name}")
+                continue
+            where[name], entries[name] = file, e
+    if index_map is not None:
+        for name, shard in index_map.items():
+            if name not in where:
+                problems.append(f"{name} is listed in {INDEX_FILE} under {shard} but that shard does not hold it")
+            elif where[name].name != shard:
+                problems.append(f"{name} is listed in {INDEX_FILE} under {shard} but lies in {where[name].name}")
+
+    embed = entries.get("model.embed_tokens.weight")
+    if embed is not None and len(embed["shape"]) == 2 and embed["shape"][0] != expected["model.embed_tokens.weight"][0]:
+        raise ValueError(f"config.json has vocab_size={expected['model.embed_tokens.weight'][0]} but "
+                         f"model.embed_tokens.weight in {where['model.embed_tokens.weight'].name} has "
+                         f"{embed['shape'][0]} rows; the config and the weights disagree")
+    missing = [n for n in expected if n not in entries]
+    unexpected = [n for n in entries if n not in expected and not n.endswith(_IGNORED_SUFFIXES)]
+    misshaped = [f"{n} has shape {tuple(entries[n]['shape'])}, expected {expected[n]} ({where[n].name})"
+                 for n in expected if n in entries and tuple(entries[n]["shape"]) != expected[n]]
+    not_float = [f"{n} has dtype {entries[n]['dtype']} ({where[n].name}); only float weights are supported "
+                 "(quantized checkpoints are not)" for n in expected if n in entries
+                 and entries[n]["dtype"] not in _ST_DTYPES]
+    if missing:
+        hint = ("; the config has tie_word_embeddings=false, so an lm_head is required"
+                if "lm_head.weight" in missing else "")
+        problems.append(f"missing tensors: {', '.join(missing)}{hint}")
+    if unexpected:
+        hint = ("; the config has tie_word_embeddings=true, so lm_head.weight should not be stored"
+                if "lm_head.weight" in unexpected else "")
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}{hint}")
+    problems.extend(misshaped)
+    problems.extend(not_float)
+    if problems:
+        raise ValueError(f"checkpoint {directory} does not match its config.json "
+                         f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(where[name], []).append(name)
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except Exception as e:  # safetensors raises its own error types; keep the file in the message
+            if isinstance(e, ValueError) and str(file) in str(e):
+                raise
+            raise ValueError(f"{file} could not be read by safetensors: {e}") from e
+    return out
+
+
+def _index_map(directory: Path) -> dict[str, str] | None:
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return None
+    return json.loads(index.read_text(encoding="utf-8"))["weight_map"]

@@ -1,0 +1,197 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) on graphspec's kernels.
+
+- One forward serves prefill, decode and verify: ``step(token_ids[B, T], cache)`` appends
+  T positions to the KV cache and attends causally over everything cached; T is 1 for a
+  decode step, the prompt length for prefill, K+1 for a speculative verify.
+- Each layer reads like the paper: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``. The
+  residual add is fused into the following RMSNorm (``rmsnorm(..., residual=h)``).
+- Weights are fused at load time: q/k/v into one ``wqkv`` and gate/up into one ``w13``, so a
+  layer runs four GEMMs; biases (Qwen2's q/k/v) are fused the same way.
+- RoPE: HF rotate-half convention, cos/sin from ``positions * inv_freq`` in fp32.
+- Only the rows asked for (``logits_for``) go through the final norm and the lm_head: a
+  prefill needs one row, a draft step one row, a verify K+1 rows. Logits come back in fp32.
+- Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
+  Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
+- A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
+  so several pipelines can share one model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from graphspec.kernels._dispatch import use_backend
+from graphspec.kernels.attention import attention
+from graphspec.kernels.linear import linear
+from graphspec.kernels.rmsnorm import rmsnorm
+from graphspec.kernels.rope import rope, rope_inv_freq
+from graphspec.kernels.silu_mul import silu_mul
+from graphspec.models.config import ModelConfig
+from graphspec.models.kv_cache import KVCache
+
+
+@dataclasses.dataclass
+class Layer:
+    input_norm: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [(Hq + 2 Hk) * D, H]
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hk) * D]
+    wo: torch.Tensor  # [H, Hq * D]
+    bo: torch.Tensor | None  # [H]
+    post_norm: torch.Tensor  # [H]
+    w13: torch.Tensor  # [2 * I, H]: gate rows then up rows
+    w2: torch.Tensor  # [H, I]
+
+
+class Transformer:
+    """Weights of one Llama-family model plus the forward pass over them."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
+                 lm_head: torch.Tensor, tokenizer=None, backend: str | None = None):
+        if backend not in (None, "auto", "torch", "triton"):
+            raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
+        self.config = config
+        self.embed = embed  # [V, H]
+        self.layers = layers
+        self.norm = norm  # [H]
+        self.lm_head = lm_head  # [V, H]; the very embedding tensor when tie_word_embeddings
+        self.tokenizer = tokenizer
+        self.backend = backend
+        inv_freq, self.rope_attention_scaling = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.inv_freq = inv_freq.to(embed.device)  # [D/2] fp32
+        self.scale = config.head_dim ** -0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Transformer({c.architecture}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
+                f"heads={c.num_attention_heads}/{c.num_key_value_heads}, vocab={c.vocab_size}, dtype={self.dtype}, "
+                f"device={self.device}, backend={self.backend})")
+
+    def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
+        """A KV cache for ``batch_size`` sequences of up to ``max_seq_len`` positions each."""
+        c = self.config
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len={max_seq_len!r}; expected a positive integer")
+        if max_seq_len > c.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
+                             f"{c.max_position_embeddings}; ask for a shorter cache")
+        return KVCache(c.num_hidden_layers, batch_size, max_seq_len, c.num_key_value_heads, c.head_dim,
+                       dtype=self.dtype, device=self.device)
+
+    # --- forward ------------------------------------------------------------------------------------------------
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` fp32 for every position of ``input_ids [B, T]``, without a cache."""
+        input_ids = self._check_ids(input_ids)
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=self.device).expand(b, t)
+        return self._forward(input_ids, positions, None, "all")
+
+    def step(self, token_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
+             logits_for="all") -> torch.Tensor:
+        """Run ``token_ids [B, T]`` after what ``cache`` holds; append them to it; return logits.
+
+        positions: ``[B, T]`` int64 RoPE positions (default: the cache slots they occupy).
+        logits_for: "all" (T rows), "last" (1 row) or a LongTensor of row indices into T.
+        Returns ``[B, n, V]`` fp32 and advances ``cache.length`` by T.
+        """
+        token_ids = self._check_ids(token_ids)
+        b, t = token_ids.shape
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache from model.new_cache(...), got {type(cache).__name__}")
+        if cache.batch_size != b:
+            raise ValueError(f"token_ids has batch size {b} but the cache was made for {cache.batch_size}")
+        c = self.config
+        if (cache.num_layers, cache.k[0].shape[2], cache.k[0].shape[3]) != (
+                c.num_hidden_layers, c.num_key_value_heads, c.head_dim):
+            raise ValueError("this cache was made for a different model (layers, kv heads or head_dim differ); "
+                             "make it with this model's new_cache()")
+        if cache.dtype != self.dtype or cache.device != self.device:
+            raise ValueError(f"cache holds {cache.dtype} on {cache.device} but the model runs {self.dtype} on "
+                             f"{self.device}; make it with this model's new_cache()")
+        cache.check_room(t)
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + t, device=self.device).expand(b, t)
+        elif (not isinstance(positions, torch.Tensor) or positions.shape != (b, t) or positions.dtype != torch.int64
+              or positions.device != self.device):
+            raise ValueError(f"positions must be an int64 tensor of shape {(b, t)} on {self.device}, got "
+                             f"{getattr(positions, 'dtype', type(positions).__name__)} "
+                             f"{tuple(getattr(positions, 'shape', ()))}")
+        logits = self._forward(token_ids, positions, cache, logits_for)
+        cache.advance(t)
+        return logits
+
+    def _check_ids(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be an integer tensor of shape [B, T], got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+        if ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"token ids of shape {tuple(ids.shape)} are empty; pass at least one token per row")
+        if ids.device != self.device:
+            raise ValueError(f"token ids are on {ids.device} but the model is on {self.device}")
+        if not ids.is_cuda:  # on a GPU this check would cost a host sync per step
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got values in [{lo}, {hi}]")
+        return ids.long()
+
+    def _rows(self, logits_for, t: int) -> torch.Tensor | None:
+        if isinstance(logits_for, str):
+            if logits_for == "all":
+                return None
+            if logits_for == "last":
+                return torch.tensor([t - 1], device=self.device)
+        elif isinstance(logits_for, torch.Tensor) and logits_for.ndim == 1 and not logits_for.dtype.is_floating_point:
+            return logits_for.to(self.device, torch.long)
+        raise ValueError(f"logits_for={logits_for!r}; expected 'all', 'last' or a 1-d LongTensor of row indices")
+
+    def _forward(self, ids, positions, cache, logits_for) -> torch.Tensor:
+        c = self.config
+        rows = self._rows(logits_for, ids.shape[1])
+        with use_backend(self.backend), torch.no_grad():
+            x = F.embedding(ids, self.embed)  # [B, T, H]
+            h = x
+            normed = rmsnorm(x, self.layers[0].input_norm, c.rms_norm_eps)
+            last = len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                a = self._attention(i, layer, normed, positions, cache)
+                normed, h = rmsnorm(a, layer.post_norm, c.rms_norm_eps, residual=h)  # h = h + attn(norm(h))
+                m = self._mlp(layer, normed)
+                if i < last:
+                    normed, h = rmsnorm(m, self.layers[i + 1].input_norm, c.rms_norm_eps, residual=h)
+            # Last residual add + final norm + lm_head only on the rows whose logits are wanted.
+            if rows is not None:
+                m, h = m[:, rows], h[:, rows]
+            out, _ = rmsnorm(m, self.norm, c.rms_norm_eps, residual=h)
+            return linear(out, self.lm_head).float()  # [B, n, V]
+
+    def _attention(self, i: int, layer: Layer, x, positions, cache) -> torch.Tensor:
+        c = self.config
+        b, t, _ = x.shape
+        hq, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = linear(x, layer.wqkv, layer.bqkv)  # [B, T, (Hq + 2 Hk) * D]
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(b, t, hq, d), k.view(b, t, hk, d), v.view(b, t, hk, d)
+        q, k = rope(q, k, positions, self.inv_freq, self.rope_attention_scaling)
+        if cache is not None:
+            k, v = cache.append(i, k, v)  # [B, length + T, Hk, D] views of the cache
+        o = attention(q, k, v, self.scale)  # [B, T, Hq, D]
+        return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
+
+    def _mlp(self, layer: Layer, x) -> torch.Tensor:
+        gate, up = linear(x, layer.w13).chunk(2, dim=-1)
+        return linear(silu_mul(gate, up), layer.w2)
