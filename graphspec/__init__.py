@@ -1,1 +1,29 @@
-"""graphspec: lossless speculative decoding as a graph of stages."""
+"""graphspec: lossless speculative decoding as a graph of stages.
+
+``Pipeline(target, draft=None, num_speculative_tokens=5)`` runs ``draft -> verify -> accept`` once per
+step (``verify -> accept`` without a draft); ``load_model`` loads a checkpoint directory or zoo name.
+The stages (``ModelDrafter``, ``NgramDrafter``, ``Verify``, ``GreedyAcceptance``, ``RejectionSampling``)
+and ``Graph`` / ``Stage`` are public so that a stage can be swapped or added.
+"""
+
+from graphspec.acceptance import GreedyAcceptance, RejectionSampling
+from graphspec.drafters import ModelDrafter, NgramDrafter
+from graphspec.graph import Graph, Stage
+from graphspec.pipeline import GenerationResult, Pipeline, build_graph
+from graphspec.state import SamplingParams, State
+from graphspec.stats import GenerationStats
+from graphspec.verify import Verify
+
+__all__ = ["Pipeline", "GenerationResult", "GenerationStats", "SamplingParams", "State", "Graph", "Stage",
+           "build_graph", "ModelDrafter", "NgramDrafter", "Verify", "GreedyAcceptance", "RejectionSampling",
+           "load_model"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: the loader pulls in the whole model stack, which ``import graphspec.kernels``
+    # alone should not pay for.
+    if name == "load_model":
+        from graphspec.models.loader import load_model
+
+        return load_model
+    raise AttributeError(f"module 'graphspec' has no attribute {name!r}")

@@ -1,0 +1,148 @@
+"""Draft stages: they propose up to ``num_draft`` tokens for the target to verify.
+
+Both write ``draft_ids [1, k]`` (``0 <= k <= num_draft``; proposing fewer, or none, is allowed)
+and ``draft_probs`` (``[1, k, V_target]`` fp32, or None when the draft carries no distribution).
+
+- ``ModelDrafter``: a smaller graphspec model with its own KV cache. Its cache follows the same
+  invariant as the target's: it holds every committed token but the last. At the start of each
+  draft it rolls back whatever the acceptance threw away (its cache then holds the longest prefix
+  that is still committed) and feeds the committed tokens it has not seen: one normally, two after
+  all K drafts were accepted (the last draft, which it sampled but never fed, and the bonus
+  token). It then drafts one token per forward (``logits_for="last"``). Greedy runs take the
+  argmax and pass no probabilities; sampled runs draw every token from the draft's own *warped*
+  distribution q (temperature, top-k, top-p, fp32, exponential race with the run's generator)
+  and pass q on, because the acceptance ratio p/q is only lossless for the q the token came from.
+  The draft's logits are cut (or q zero-padded) to the target's vocabulary width, so it never
+  proposes an id the target does not have (embedding tables are often padded differently).
+- ``NgramDrafter`` (prompt lookup): proposes the continuation of the most recent earlier
+  occurrence of the last n committed tokens, n = max_ngram .. min_ngram. An index from n-gram to
+  its latest end position is updated with the new tokens only, so a step costs O(new tokens).
+  No model, no probabilities (one-hot q).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphspec.graph import Stage
+from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
+
+__all__ = ["ModelDrafter", "NgramDrafter"]
+
+DRAFT_READS = ("tokens", "num_draft", "params", "generator")
+DRAFT_WRITES = ("draft_ids", "draft_probs")
+
+
+def _empty_draft(state) -> None:
+    state.draft_ids = torch.empty(1, 0, dtype=torch.int64, device=state.run.device)
+    state.draft_probs = None
+
+
+def prefill(model, cache, tokens: list[int], device) -> None:
+    """Feed ``tokens`` into ``cache`` without computing any logits (no final norm / lm_head)."""
+    if tokens:
+        ids = torch.tensor([tokens], dtype=torch.int64, device=device)
+        model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
+
+
+class ModelDrafter(Stage):
+    """Draft with a (smaller) language model that shares the target's vocabulary."""
+
+    reads = DRAFT_READS
+    writes = DRAFT_WRITES
+
+    def __init__(self, model, name: str = "draft"):
+        super().__init__(name)
+        for attr in ("step", "new_cache", "config"):
+            if not hasattr(model, attr):
+                raise ValueError(f"ModelDrafter needs a graphspec model (with .{attr}); got {type(model).__name__}")
+        self.model = model
+
+    def begin(self, state) -> None:
+        run = state.run
+        cache = self.model.new_cache(run.capacity, batch_size=1)
+        prefill(self.model, cache, state.tokens[:-1], run.device)
+        if len(state.tokens) > 1:
+            run.draft_forwards += 1
+        state.scratch(self)["cache"] = cache
+
+    def run(self, state) -> None:
+        k = state.num_draft
+        if k <= 0:
+            _empty_draft(state)
+            return
+        run = state.run
+        cache = state.scratch(self)["cache"]
+        tokens = state.tokens
+        # Everything past len(tokens) - 1 is either the pending token or a rejected draft.
+        cache.truncate(min(cache.length, len(tokens) - 1))
+        new = torch.tensor([tokens[cache.length:]], dtype=torch.int64, device=run.device)
+        params = state.params
+        V = run.vocab_size
+        ids: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            logits = self.model.step(new, cache, logits_for="last")[:, -1, :V]  # [1, <=V] fp32
+            run.draft_forwards += 1
+            if params.greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                q = warp_logits(logits, params.temperature, params.top_k, params.top_p)
+                tok = sample(q, exponential_noise(q.shape, state.generator, q.device))
+                probs.append(q)
+            ids.append(tok)
+            new = tok.view(1, 1)
+        state.draft_ids = torch.stack(ids, dim=1)  # [1, k]
+        if params.greedy:
+            state.draft_probs = None
+            return
+        q = torch.stack(probs, dim=1)  # [1, k, Vd]
+        if q.shape[-1] < V:
+            q = torch.nn.functional.pad(q, (0, V - q.shape[-1]))
+        state.draft_probs = q
+
+
+class NgramDrafter(Stage):
+    """Prompt-lookup drafting: continue the latest earlier match of the last ``max_ngram..min_ngram`` tokens."""
+
+    reads = ("tokens", "num_draft")
+    writes = DRAFT_WRITES
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "draft"):
+        super().__init__(name)
+        for pname, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{pname} must be an int >= 1, got {v!r}")
+        if min_ngram > max_ngram:
+            raise ValueError(f"min_ngram={min_ngram} is larger than max_ngram={max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def begin(self, state) -> None:
+        # index[n][ngram] = the position right after the latest occurrence of ngram
+        state.scratch(self).update(index={n: {} for n in range(self.min_ngram, self.max_ngram + 1)}, upto=0)
+
+    def propose(self, tokens: list[int], k: int, scratch: dict) -> list[int]:
+        """The continuation (at most k ids) of the latest earlier occurrence of the longest matching suffix."""
+        L = len(tokens)
+        index = scratch["index"]
+        # Index every n-gram ending at or before L - 1: the suffix itself (ending at L) must not
+        # match itself, and a match ending at e <= L - 1 always has at least one token after it.
+        for e in range(max(scratch["upto"] + 1, 1), L):
+            for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
+                index[n][tuple(tokens[e - n:e])] = e
+        scratch["upto"] = max(scratch["upto"], L - 1)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            e = index[n].get(tuple(tokens[L - n:]))
+            if e is not None:
+                return tokens[e:e + k]
+        return []
+
+    def run(self, state) -> None:
+        k = state.num_draft
+        if k <= 0:
+            _empty_draft(state)
+            return
+        cont = self.propose(state.tokens, k, state.scratch(self))
+        state.draft_ids = torch.tensor([cont], dtype=torch.int64, device=state.run.device).view(1, len(cont))
+        state.draft_probs = None

@@ -1,0 +1,453 @@
+"""``Pipeline``: speculative (or plain autoregressive) generation as a graph run once per step.
+
+- The step graph is ``draft -> verify -> accept`` (``build_graph``); a stage that maps draft
+  tokens into the target's vocabulary goes between draft and verify (``_vocab_stage``). With no
+  draft the graph is ``verify -> accept`` and the empty draft is a graph input, so baselines and
+  speculative runs execute the same code.
+- Committed tokens live in a Python list; the target's cache holds all of them but the last
+  ("pending"). Each step drafts ``min(K, remaining - 1)`` tokens (so the lookahead never runs
+  past ``max_new_tokens``), verifies ``[pending, drafts]`` in one forward, and commits the
+  ``m + 1`` emitted tokens. The only host sync of a step is reading ``emitted``.
+- Everything a generation owns (caches, generator, counters) lives in its ``State``; a Pipeline
+  holds models and the graph only, so one model can serve several pipelines and generations.
+- Stop rules: any end-of-sequence id of the target (``config.eos_token_ids`` plus the tokenizer's,
+  which include generation_config.json's) unless ``ignore_eos``; the EOS id is kept in
+  ``token_ids`` but not in ``text``. Stop strings cut the text before the string; ``token_ids``
+  end with the token that completed it. ``max_new_tokens`` is never exceeded.
+- Text goes through ``StreamDecoder``, so ``stream`` never yields half a UTF-8 character and
+  holds back the tail that could still become a stop string; ``run`` uses the same path, so
+  ``"".join(stream(...)) == run(...).text``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from graphspec.acceptance import GreedyAcceptance, RejectionSampling
+from graphspec.drafters import ModelDrafter, NgramDrafter
+from graphspec.graph import Graph, Stage
+from graphspec.kernels import use_backend
+from graphspec.state import RunInfo, SamplingParams, State
+from graphspec.stats import GenerationStats
+from graphspec.verify import Verify
+
+__all__ = ["Pipeline", "GenerationResult", "build_graph", "STEP_INPUTS", "STEP_OUTPUTS"]
+
+STEP_INPUTS = ("tokens", "num_draft", "params", "generator")
+STEP_OUTPUTS = ("emitted",)
+_NO_DRAFT_INPUTS = ("draft_ids", "draft_probs")
+VOCAB_MAPPING_MODES = ("auto", "none")
+
+
+@dataclass
+class GenerationResult:
+    text: str                   # generated text (no EOS, no stop string); "" when the target has no tokenizer
+    token_ids: list[int]        # generated ids, EOS included when generation ended on one
+    stats: GenerationStats
+    finish_reason: str = "length"  # "eos" | "stop" | "length"
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def build_graph(verify: Stage, drafter: Stage | None = None, acceptance: Stage | None = None,
+                between: Sequence[Stage] = ()) -> Graph:
+    """``draft -> [between...] -> verify -> accept``, or ``verify -> accept`` without a drafter."""
+    acceptance = acceptance if acceptance is not None else RejectionSampling()
+    if drafter is None:
+        if between:
+            raise ValueError("stages between draft and verify need a drafter")
+        return Graph([verify, acceptance], inputs=STEP_INPUTS + _NO_DRAFT_INPUTS, outputs=STEP_OUTPUTS)
+    return Graph([drafter, *between, verify, acceptance], inputs=STEP_INPUTS, outputs=STEP_OUTPUTS)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _load(model_or_path, what: str, dtype, device, backend):
+    if isinstance(model_or_path, (str, Path)):
+        from graphspec.models.loader import load_model
+
+        return load_model(model_or_path, dtype=dtype, device=device or "cpu", backend=backend)
+    for attr in ("step", "new_cache", "config", "device"):
+        if not hasattr(model_or_path, attr):
+            raise ValueError(f"{what} must be a checkpoint directory, a zoo name or a loaded graphspec model; "
+                             f"got a {type(model_or_path).__name__} without .{attr}")
+    return model_or_path
+
+
+def _tokenizer(model):
+    return getattr(model, "tokenizer", None)
+
+
+def _same_vocabulary(target, draft) -> bool:
+    tt, dt = _tokenizer(target), _tokenizer(draft)
+    if tt is None and dt is None:
+        return target.config.vocab_size == draft.config.vocab_size
+    if tt is None or dt is None:
+        return False
+    if tt.fingerprint and tt.fingerprint == dt.fingerprint:
+        return True
+    return tt.get_vocab() == dt.get_vocab()
+
+
+def _vocab_stage(target, draft, mode: str) -> Stage | None:
+    """The stage that maps draft tokens into the target's vocabulary, or None when they share one.
+
+    The single hook for cross-vocabulary drafting: it runs between draft and verify.
+    ``mode="none"`` trusts that the ids are shared (tiny test models without tokenizers).
+    """
+    if mode not in VOCAB_MAPPING_MODES:
+        raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MAPPING_MODES}")
+    if mode == "none" or _same_vocabulary(target, draft):
+        return None
+    tt, dt = _tokenizer(target), _tokenizer(draft)
+    if tt is None or dt is None:
+        which = "the target" if tt is None else "the draft"
+        raise ValueError(f"different vocabularies: {which} has no tokenizer, so graphspec cannot tell whether "
+                         f"draft and target ids mean the same tokens; give both a tokenizer, or pass "
+                         f"vocab_mapping='none' if they share one vocabulary")
+    raise ValueError(f"different vocabularies: draft ({dt.vocab_size} tokens) and target ({tt.vocab_size} tokens) "
+                     f"do not share a tokenizer, and cross-vocabulary mapping is not available yet; "
+                     f"use a draft with the target's tokenizer or draft='ngram'")
+
+
+def _check_positive_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+
+
+# ------------------------------------------------------------------------------------------ text
+
+class _TextSink:
+    """Incremental text with stop strings: push ids, get safe text out, learn where a stop string ended."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        from graphspec.models.tokenizer import StreamDecoder
+
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.given = 0        # characters already handed out by take()
+        self.stopped = False
+
+    def _check(self, before: int) -> bool:
+        start = max(0, before - self.hold)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+        return self.stopped
+
+    def push(self, ids: list[int]) -> int:
+        """Feed ids; returns how many were consumed (fewer than given when a stop string completed)."""
+        if not self.stop:
+            self.text += self.decoder.push(ids)
+            return len(ids)
+        for n, i in enumerate(ids, 1):
+            before = len(self.text)
+            self.text += self.decoder.push(i)
+            if self._check(before):
+                return n
+        return len(ids)
+
+    def finish(self) -> None:
+        if not self.stopped:
+            before = len(self.text)
+            self.text += self.decoder.flush()
+            if self.stop:
+                self._check(before)
+
+    def take(self, final: bool = False) -> str:
+        """The text not handed out yet, minus a tail that could still start a stop string."""
+        end = len(self.text) if (final or self.stopped) else max(self.given, len(self.text) - self.hold)
+        out = self.text[self.given:end]
+        self.given = end
+        return out
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+
+class Pipeline:
+    """Speculative decoding with a draft (a model, ``"ngram"``, or a drafter stage), or plain decoding.
+
+    ``target`` / ``draft``: a checkpoint directory, a zoo name, or a loaded graphspec model
+    (strings load with ``dtype``, ``device``, ``backend``; a string draft goes to the target's
+    device). ``draft="ngram"`` is prompt lookup with ``max_ngram``; a ``Stage`` is used as the
+    drafter as is. ``acceptance``: None (``RejectionSampling``, exact match at temperature 0),
+    ``"greedy"``, ``"rejection"`` or a ``Stage``. ``vocab_mapping``: "auto" (the draft must share
+    the target's vocabulary until cross-vocabulary mapping lands) or "none" (trust shared ids).
+    ``sync_timing``: synchronise the device around stage timers (default: on CUDA).
+    """
+
+    def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
+                 max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
+                 sync_timing: bool | None = None):
+        self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
+        if vocab_mapping not in VOCAB_MAPPING_MODES:
+            raise ValueError(f"vocab_mapping={vocab_mapping!r} is not one of {VOCAB_MAPPING_MODES}")
+        self.target = _load(target, "target", dtype, device, backend)
+        self.vocab_mapping = vocab_mapping
+        self.draft = None  # the draft model, when there is one
+
+        drafter: Stage | None
+        between: list[Stage] = []
+        if draft is None:
+            drafter = None
+        elif isinstance(draft, Stage):
+            drafter = draft
+        elif isinstance(draft, str) and draft == "ngram":
+            drafter = NgramDrafter(max_ngram=max_ngram)
+        else:
+            self.draft = _load(draft, "draft", dtype, device or self.target.device, backend)
+            if torch.device(self.draft.device) != torch.device(self.target.device):
+                raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
+                                 f"load both on one device (device=...)")
+            mapper = _vocab_stage(self.target, self.draft, vocab_mapping)
+            if mapper is not None:
+                between.append(mapper)
+            drafter = ModelDrafter(self.draft)
+
+        if acceptance is None or acceptance == "rejection":
+            rule: Stage = RejectionSampling()
+        elif acceptance == "greedy":
+            rule = GreedyAcceptance()
+        elif isinstance(acceptance, Stage):
+            rule = acceptance
+        else:
+            raise ValueError(f"acceptance must be None, 'greedy', 'rejection' or a Stage; got {acceptance!r}")
+        self._graph = build_graph(Verify(self.target), drafter, rule, between)
+        dev = torch.device(self.target.device)
+        self.sync_timing = (dev.type == "cuda") if sync_timing is None else bool(sync_timing)
+
+    # ----------------------------------------------------------------------------- graph
+
+    @property
+    def graph(self) -> Graph:
+        return self._graph
+
+    @property
+    def speculative(self) -> bool:
+        return "draft_ids" in self._graph.written
+
+    def replace_stage(self, name: str, stage: Stage) -> "Pipeline":
+        """Swap one stage (validated against the rest of the graph); returns self."""
+        self._graph = self._graph.replace(name, stage)
+        return self
+
+    @property
+    def tokenizer(self):
+        return _tokenizer(self.target)
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self._graph!r}, K={self.num_speculative_tokens})"
+
+    # ----------------------------------------------------------------------------- inputs
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of a prompt: a string, a list of ids, or chat messages."""
+        tok = self.tokenizer
+        vocab = self.target.config.vocab_size
+        if isinstance(prompt, str):
+            if tok is None:
+                raise ValueError("prompt is a string but the target has no tokenizer; pass token ids")
+            ids = tok.encode(prompt)
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.ndim != 1 or prompt.dtype.is_floating_point:
+                raise ValueError(f"prompt as a tensor must be 1-D integer ids, got shape {tuple(prompt.shape)} "
+                                 f"dtype {prompt.dtype}")
+            ids = [int(i) for i in prompt.tolist()]
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            if tok is None or not tok.has_chat_template:
+                raise ValueError("prompt is a list of chat messages but the target's tokenizer has no chat template; "
+                                 "pass a string or token ids")
+            for i, m in enumerate(prompt):
+                if "role" not in m or "content" not in m:
+                    raise ValueError(f"prompt message #{i} needs 'role' and 'content' keys, got {sorted(m)}")
+            ids = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=True),
+                             add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+                raise ValueError("prompt must be a string, a list of int token ids, or a list of "
+                                 "{'role', 'content'} messages")
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or chat messages, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (it encodes to no tokens); give at least one token")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt holds token ids outside [0, {vocab}) of the target vocabulary: {bad[:5]}")
+        return ids
+
+    def _prepare(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        _check_positive_int("max_new_tokens", max_new_tokens)
+        if stop is None:
+            stops: list[str] = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+            stops = list(stop)
+        else:
+            raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop holds an empty string, which would stop before the first token")
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need text, but the target has no tokenizer")
+        for stage in self._graph:
+            stage.check(params)
+        ids = self.encode_prompt(prompt)
+        # The last verify of a run reaches position len(ids) + max_new_tokens - 2 (drafts never run
+        # past max_new_tokens), so this is the exact requirement on both models.
+        need = len(ids) + max_new_tokens
+        for what, model in (("target", self.target), ("draft", self.draft)):
+            if model is None:
+                continue
+            limit = model.config.max_position_embeddings
+            if need > limit:
+                raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
+                                 f"the {what}'s max_position_embeddings={limit}; shorten the prompt or lower "
+                                 f"max_new_tokens")
+        return ids, params, stops
+
+    # ----------------------------------------------------------------------------- generation
+
+    def _steps(self, ids: list[int], max_new_tokens: int, params: SamplingParams, ignore_eos: bool,
+               stats: GenerationStats, outcome: dict) -> Iterator[list[int]]:
+        """Run the graph until done; yields the ids each step commits."""
+        target = self.target
+        graph = self._graph
+        device = torch.device(target.device)
+        K = self.num_speculative_tokens if self.speculative else 0
+        run = RunInfo(target=target, vocab_size=target.config.vocab_size, device=device,
+                      capacity=len(ids) + max_new_tokens, prompt_len=len(ids), num_speculative_tokens=K)
+        state = State(run)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(params.seed if params.seed is not None else _random_seed())
+        state.tokens = list(ids)
+        state.params = params
+        state.generator = gen
+        if not self.speculative:
+            state.draft_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
+            state.draft_probs = None
+        eos = set() if ignore_eos else set(target.config.eos_token_ids) | set(
+            getattr(self.tokenizer, "eos_token_ids", None) or ())
+        backend = getattr(target, "backend", None)
+        sync = self.sync_timing
+        stats.num_speculative_tokens = K
+        stats.prompt_tokens = len(ids)
+        stats.accepted_per_position = [0] * K
+        stats.proposed_per_position = [0] * K
+
+        def clock() -> float:
+            if sync:
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        try:
+            t0 = clock()
+            with use_backend(backend):
+                graph.begin(state)
+            stats.prefill_seconds = clock() - t0
+            produced = 0
+            while produced < max_new_tokens:
+                t0 = clock()
+                remaining = max_new_tokens - produced
+                state.clear(graph.written)
+                state.num_draft = min(K, remaining - 1)
+                with use_backend(backend):
+                    graph.run(state, stats.stage_seconds, sync=sync, device=device)
+                row = state.emitted[0].tolist()  # the step's one host sync
+                valid = row.index(-1) if -1 in row else len(row)
+                if valid < 1:
+                    raise RuntimeError(f"the accept stage emitted no token (emitted={row}); it must emit at least one")
+                stats.record_step(int(state.draft_ids.shape[1]), valid - 1)
+                new = row[:min(valid, remaining)]
+                if eos:
+                    for i, t in enumerate(new):
+                        if t in eos:
+                            new = new[:i + 1]
+                            outcome["reason"] = "eos"
+                            break
+                state.tokens.extend(new)
+                produced += len(new)
+                stats.generated_tokens = produced
+                stats.decode_seconds += time.perf_counter() - t0
+                yield new
+                if outcome.get("reason") == "eos":
+                    return
+        finally:
+            stats.target_forwards = run.target_forwards
+            stats.draft_forwards = run.draft_forwards
+
+    def _generate(self, ids, max_new_tokens, params, ignore_eos, stops) -> Iterator[str]:
+        """Yields text pieces as tokens are committed; returns the GenerationResult."""
+        stats = GenerationStats()
+        outcome: dict = {}
+        tok = self.tokenizer
+        sink = _TextSink(tok, stops) if tok is not None else None
+        out: list[int] = []
+        steps = self._steps(ids, max_new_tokens, params, ignore_eos, stats, outcome)
+        try:
+            for new in steps:
+                if sink is not None:
+                    text_ids = new[:-1] if outcome.get("reason") == "eos" else new
+                    used = sink.push(text_ids)
+                    if sink.stopped:
+                        new = new[:used]
+                        outcome["reason"] = "stop"
+                    piece = sink.take()
+                    if piece:
+                        yield piece
+                out.extend(new)
+                if sink is not None and sink.stopped:
+                    break
+        finally:
+            steps.close()
+        if sink is not None:
+            sink.finish()
+            if sink.stopped:
+                outcome["reason"] = "stop"
+            piece = sink.take(final=True)
+            if piece:
+                yield piece
+        stats.generated_tokens = len(out)
+        return GenerationResult(text=sink.text if sink is not None else "", token_ids=out, stats=stats,
+                                finish_reason=outcome.get("reason", "length"), prompt_token_ids=list(ids))
+
+    def run(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+            seed: int | None = None, ignore_eos: bool = False, stop: str | Sequence[str] | None = None
+            ) -> GenerationResult:
+        """Generate a continuation of ``prompt`` (a string, token ids, or chat messages)."""
+        ids, params, stops = self._prepare(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)
+        gen = self._generate(ids, max_new_tokens, params, bool(ignore_eos), stops)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False,
+               stop: str | Sequence[str] | None = None) -> Iterator[str]:
+        """Like ``run`` but yields text as it is accepted; the generator's return value is the result.
+
+        Arguments are checked here, before the first ``next``.
+        """
+        if self.tokenizer is None:
+            raise ValueError("stream() yields text, but the target has no tokenizer; use run() with token ids")
+        ids, params, stops = self._prepare(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)
+        return self._generate(ids, max_new_tokens, params, bool(ignore_eos), stops)

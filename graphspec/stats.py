@@ -1,0 +1,82 @@
+"""What one generation measured: acceptance, forwards, stage times, throughput.
+
+- ``proposed`` / ``accepted`` count draft tokens; ``acceptance_rate = accepted / proposed`` (0.0
+  when nothing was proposed, e.g. autoregressive decoding).
+- ``steps`` counts decode steps, i.e. verify forwards of the target; ``mean_accepted_length =
+  generated_tokens / steps`` is the number of tokens each of them yielded (1.0 for plain
+  autoregressive decoding, K + 1 when every draft is accepted).
+- ``target_forwards`` / ``draft_forwards`` count ``model.step`` calls, the prompt prefill included
+  (one each when the prompt is longer than one token).
+- ``accepted_per_position[i]`` / ``proposed_per_position[i]``: in how many steps draft position i
+  was accepted / proposed (i = 0 is the first draft token).
+- Times are wall seconds (``time.perf_counter``): ``prefill_seconds`` covers every stage's
+  per-generation setup, ``decode_seconds`` the steps, ``stage_seconds`` each stage's share of them.
+  ``tokens_per_second`` is generated tokens over prefill + decode seconds;
+  ``decode_tokens_per_second`` over decode seconds only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["GenerationStats"]
+
+
+@dataclass
+class GenerationStats:
+    num_speculative_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def record_step(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        for i in range(proposed):
+            self.proposed_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.prefill_seconds + self.decode_seconds
+        return self.generated_tokens / total if total > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """Every field and derived figure, JSON-ready (for the CLI and the benchmarks)."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["stage_seconds"] = dict(self.stage_seconds)
+        d["accepted_per_position"] = list(self.accepted_per_position)
+        d["proposed_per_position"] = list(self.proposed_per_position)
+        for k in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "decode_tokens_per_second"):
+            d[k] = getattr(self, k)
+        return d
+
+    def __str__(self) -> str:
+        stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_seconds.items())
+        return (f"{self.generated_tokens} tokens in {self.steps} steps; acceptance {self.acceptance_rate:.2f}, "
+                f"{self.mean_accepted_length:.2f} tokens/step; {self.tokens_per_second:.1f} tok/s "
+                f"({self.decode_tokens_per_second:.1f} decode); prefill {self.prefill_seconds * 1e3:.1f} ms; "
+                f"forwards target {self.target_forwards} draft {self.draft_forwards}; stages: {stages or '-'}")

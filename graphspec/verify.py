@@ -1,0 +1,47 @@
+"""The verify stage: one target forward over [pending token, draft tokens].
+
+- The target's KV cache always holds every committed token but the last ("pending"). ``begin``
+  allocates it and prefills ``prompt[:-1]`` with no logits at all (a one-token prompt has no
+  prefill); a step first rolls the cache back to ``len(tokens) - 1`` (dropping the entries of
+  drafts the last step rejected), then feeds ``[pending, d_1 .. d_k]`` and keeps all ``k + 1``
+  logits rows: row i is the target's distribution for the token after ``d_i`` (row 0: after
+  the pending token), row k gives the bonus token.
+- With no drafts (autoregressive decoding, or a drafter that found nothing) this is a plain
+  one-token decode step, so baselines run the very same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphspec.drafters import prefill
+from graphspec.graph import Stage
+
+__all__ = ["Verify"]
+
+
+class Verify(Stage):
+    reads = ("tokens", "draft_ids")
+    writes = ("target_logits",)
+
+    def __init__(self, model, name: str = "verify"):
+        super().__init__(name)
+        self.model = model
+
+    def begin(self, state) -> None:
+        run = state.run
+        cache = self.model.new_cache(run.capacity, batch_size=1)
+        prefill(self.model, cache, state.tokens[:-1], run.device)
+        if len(state.tokens) > 1:
+            run.target_forwards += 1
+        state.scratch(self)["cache"] = cache
+
+    def run(self, state) -> None:
+        cache = state.scratch(self)["cache"]
+        tokens = state.tokens
+        cache.truncate(len(tokens) - 1)
+        draft = state.draft_ids
+        pending = torch.tensor([tokens[-1:]], dtype=torch.int64, device=draft.device)
+        ids = torch.cat([pending, draft], dim=1) if draft.shape[1] else pending
+        state.target_logits = self.model.step(ids, cache, logits_for="all")  # [1, k+1, V] fp32
+        state.run.target_forwards += 1
