@@ -11,3 +11,4 @@ from graphspec.kernels.linear import linear, linear_ref  # noqa: F401
 from graphspec.kernels.rmsnorm import rmsnorm, rmsnorm_ref  # noqa: F401
 from graphspec.kernels.rope import rope, rope_ref, rope_inv_freq  # noqa: F401
 from graphspec.kernels.silu_mul import silu_mul, silu_mul_ref  # noqa: F401
+from graphspec.kernels.vocab_map import vocab_map, vocab_map_ref, vocab_mask_logits, vocab_mask_logits_ref  # noqa: F401
