@@ -1,0 +1,375 @@
+"""The ``graphspec`` command line: run, bench, fetch, models.
+
+- ``run`` streams the generated text, then prints one stats line.
+- ``bench`` measures acceptance and speedup over autoregressive decoding on the
+  user's own prompts (or a built-in mix of code, chat and prose) and recommends
+  a speculation length K from the measured per-position acceptance and costs.
+- ``fetch`` / ``models`` manage the zoo cache.
+
+Every user error (unknown model, missing path, bad flag value) prints one line
+``graphspec: error: ...`` and exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+           "fp16": "float16", "float16": "float16"}
+
+BUILTIN_PROMPTS = [
+    {"kind": "code", "messages": [{"role": "user", "content":
+        "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals, with a docstring."}]},
+    {"kind": "code", "prompt": "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"},
+    {"kind": "chat", "messages": [{"role": "user", "content":
+        "What are three practical tips for keeping a small vegetable garden healthy?"}]},
+    {"kind": "prose", "prompt": "The history of the printing press begins in the fifteenth century, when"},
+]
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {v}")
+    return v
+
+
+def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False) -> None:
+    p.add_argument("--target", required=True, help="checkpoint directory or zoo name (see `graphspec models`)")
+    p.add_argument("--draft", required=draft_required, default=None,
+                   help="draft checkpoint directory, zoo name, or 'ngram' (prompt lookup); omit for plain decoding")
+    p.add_argument("-k", "--num-speculative-tokens", type=_positive_int, default=5, dest="k",
+                   help="draft tokens proposed per step (default 5)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
+                   help="weights and activations dtype; auto = bf16 where the device supports it, else fp32")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--vocab-mapping", default="auto", choices=["auto", "tli", "slem"],
+                   help="how a draft with another tokenizer is mapped to the target (default auto)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="graphspec", description="Lossless speculative decoding for Llama-family models.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,bench,fetch,models}")
+
+    run = sub.add_parser("run", help="generate text, streaming it, then print stats")
+    _add_model_flags(run)
+    run.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    run.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    run.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    run.add_argument("--ignore-eos", action="store_true")
+    run.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    run.add_argument("--json", action="store_true", help="print the stats as JSON instead of one line")
+    run.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+
+    bench = sub.add_parser("bench", help="acceptance and speedup over autoregressive on your prompts")
+    _add_model_flags(bench, draft_required=True)
+    bench.add_argument("--prompts", type=Path, default=None,
+                       help="file of prompts: .jsonl ({\"prompt\": ...} or {\"messages\": [...]}) or text, one per line")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    bench.add_argument("--max-k", type=_positive_int, default=8, help="largest K considered for the recommendation")
+    bench.add_argument("--json", type=Path, default=None, help="also write the full results to this JSON file")
+
+    fetch = sub.add_parser("fetch", help="download and convert a zoo model into the cache")
+    fetch.add_argument("name")
+
+    sub.add_parser("models", help="list the zoo and what is cached")
+    return ap
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _device(name: str | None):
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise CLIError(f"--device {name!r} is not a device; use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    return dev
+
+
+def _dtype(name: str, device):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, _DTYPES[name])
+    return auto_dtype(device)
+
+
+def _cpu_has_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX), where oneDNN runs bf16 at memory speed."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def auto_dtype(device):
+    """bf16 on CUDA and on CPUs with native bf16; fp32 elsewhere (emulated bf16 would be slower than fp32)."""
+    import torch
+
+    if device.type == "cuda" or (device.type == "cpu" and _cpu_has_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _load(path_or_name: str, what: str, dtype, device):
+    from graphspec.models.loader import load_model
+
+    try:
+        return load_model(path_or_name, dtype=dtype, device=device)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise CLIError(f"--{what} {path_or_name!r}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def _pipelines(args):
+    import graphspec
+
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    print(f"loading {args.target} ({str(dtype).replace('torch.', '')} on {device}) ...", file=sys.stderr, flush=True)
+    target = _load(args.target, "target", dtype, device)
+    draft = None
+    if args.draft is not None:
+        if args.draft == "ngram":
+            draft = "ngram"
+        else:
+            print(f"loading draft {args.draft} ...", file=sys.stderr, flush=True)
+            draft = _load(args.draft, "draft", dtype, device)
+    return target, draft, graphspec
+
+
+def _cmd_run(args) -> int:
+    target, draft, graphspec = _pipelines(args)
+    pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": prompt}]
+    gen = pipe.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop)
+    while True:
+        try:
+            piece = next(gen)
+        except StopIteration as done:
+            result = done.value
+            break
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    s = result.stats
+    if args.json:
+        print(json.dumps(s.as_dict(), indent=1))
+    else:
+        line = (f"[{s.generated_tokens} tokens, {s.tokens_per_second:.2f} tok/s, "
+                f"{s.mean_accepted_length:.2f} tokens per target forward")
+        if pipe.speculative:
+            line += f", acceptance {s.acceptance_rate:.2f}"
+        print(line + f", finish: {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _read_prompts(path: Path | None) -> list[dict]:
+    if path is None:
+        return BUILTIN_PROMPTS
+    if not path.is_file():
+        raise CLIError(f"--prompts {str(path)!r}: no such file")
+    text = path.read_text(encoding="utf-8")
+    prompts: list[dict] = []
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CLIError(f"--prompts {path}: line {n} is not JSON ({e.msg})") from None
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
+                raise CLIError(f"--prompts {path}: line {n} needs a \"prompt\" string or a \"messages\" list")
+            prompts.append(item)
+    else:
+        prompts = [{"prompt": line} for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CLIError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
+def recommend_k(accepted_per_position: list[int], steps: int, verify_seconds: float, draft_seconds_per_token: float,
+                max_k: int) -> tuple[int, list[dict]]:
+    """Pick K maximising modelled tokens/s from measured acceptance and costs.
+
+    With a_i the fraction of steps in which draft position i was accepted (which needs every earlier one accepted),
+    a step with K drafts emits 1 + sum_{i<K} a_i tokens and costs verify + K * draft. Positions beyond the measured K
+    are not extrapolated.
+    """
+    rows = []
+    best_k, best_rate = 1, -1.0
+    emitted = 1.0
+    for k in range(1, min(max_k, len(accepted_per_position)) + 1):
+        emitted += accepted_per_position[k - 1] / steps if steps else 0.0
+        cost = verify_seconds + k * draft_seconds_per_token
+        rate = emitted / cost if cost > 0 else 0.0
+        rows.append({"k": k, "tokens_per_step": emitted, "modelled_tokens_per_second": rate})
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k, rows
+
+
+def _cmd_bench(args) -> int:
+    target, draft, graphspec = _pipelines(args)
+    prompts = _read_prompts(args.prompts)
+    k = max(args.k, args.max_k)
+    base = graphspec.Pipeline(target)
+    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping)
+    has_template = getattr(target.tokenizer, "has_chat_template", False)
+
+    def as_prompt(item):
+        if "messages" in item:
+            if has_template:
+                return item["messages"]
+            return "\n".join(m["content"] for m in item["messages"])
+        return item["prompt"]
+
+    # Warm-up (allocation, first-call costs) kept out of the numbers.
+    base.run(as_prompt(prompts[0]), max_new_tokens=4, ignore_eos=True)
+    spec.run(as_prompt(prompts[0]), max_new_tokens=4, ignore_eos=True)
+
+    rows = []
+    tot = {"base_tokens": 0, "base_seconds": 0.0, "spec_tokens": 0, "spec_seconds": 0.0, "differ": 0}
+    acc_pos = [0] * k
+    steps = proposed = accepted = 0
+    verify_s = draft_s = 0.0
+    draft_fw = 0
+    for n, item in enumerate(prompts):
+        p = as_prompt(item)
+        t0 = time.perf_counter()
+        a = base.run(p, max_new_tokens=args.max_new_tokens)
+        ta = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        b = spec.run(p, max_new_tokens=args.max_new_tokens)
+        tb = time.perf_counter() - t0
+        same = a.token_ids == b.token_ids
+        tot["base_tokens"] += len(a.token_ids)
+        tot["base_seconds"] += ta
+        tot["spec_tokens"] += len(b.token_ids)
+        tot["spec_seconds"] += tb
+        tot["differ"] += 0 if same else 1
+        s = b.stats
+        for i, c in enumerate(s.accepted_per_position[:k]):
+            acc_pos[i] += c
+        steps += s.steps
+        proposed += s.proposed
+        accepted += s.accepted
+        draft_fw += s.draft_forwards
+        verify_s += s.stage_seconds.get("verify", 0.0)
+        draft_s += sum(v for name, v in s.stage_seconds.items() if name not in ("verify", "accept"))
+        row = {"prompt": n, "kind": item.get("kind", "user"), "autoregressive_tok_s": len(a.token_ids) / ta,
+               "speculative_tok_s": len(b.token_ids) / tb, "speedup": (len(b.token_ids) / tb) / (len(a.token_ids) / ta),
+               "acceptance_rate": s.acceptance_rate, "tokens_per_target_forward": s.mean_accepted_length,
+               "identical_to_autoregressive": same}
+        rows.append(row)
+        print(f"prompt {n} ({row['kind']}): {row['autoregressive_tok_s']:.2f} -> {row['speculative_tok_s']:.2f} tok/s "
+              f"({row['speedup']:.2f}x), acceptance {s.acceptance_rate:.2f}, "
+              f"{s.mean_accepted_length:.2f} tokens/forward{'' if same else ', output differs'}", flush=True)
+
+    base_rate = tot["base_tokens"] / tot["base_seconds"]
+    spec_rate = tot["spec_tokens"] / tot["spec_seconds"]
+    draft_per_token = draft_s / draft_fw if draft_fw else 0.0
+    best_k, model_rows = recommend_k(acc_pos, steps, verify_s / steps if steps else 0.0, draft_per_token, args.max_k)
+    per_pos = [c / steps if steps else 0.0 for c in acc_pos]
+    print(f"\nautoregressive {base_rate:.2f} tok/s, speculative (K={k}) {spec_rate:.2f} tok/s: "
+          f"{spec_rate / base_rate:.2f}x; acceptance {accepted / proposed if proposed else 0:.2f}")
+    print("accepted fraction by draft position: " + " ".join(f"{i + 1}:{a:.2f}" for i, a in enumerate(per_pos)))
+    print(f"recommended K: {best_k} (modelled from the acceptance above and the measured verify/draft costs)")
+    if tot["differ"]:
+        print(f"note: {tot['differ']} of {len(prompts)} outputs differ from autoregressive "
+              "(low-precision rounding of batched forwards; run with --dtype fp32 for bitwise-stable greedy output)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"prompts": rows, "autoregressive_tok_s": base_rate,
+                                         "speculative_tok_s": spec_rate, "k": k, "accepted_per_position": per_pos,
+                                         "recommended_k": best_k, "model": model_rows}, indent=1))
+    return 0
+
+
+def _cmd_fetch(args) -> int:
+    from graphspec.models import zoo
+
+    try:
+        path = zoo.resolve(args.name, progress=True)
+    except ValueError as e:
+        raise CLIError(_first_line(e)) from None
+    print(path)
+    return 0
+
+
+def _cmd_models(args) -> int:
+    from graphspec.models import zoo
+
+    rows = zoo.list_models()
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        where = r.get("path") or "not cached (graphspec fetch NAME)"
+        print(f"{r['name']:<{width}}  {where}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    handler = {"run": _cmd_run, "bench": _cmd_bench, "fetch": _cmd_fetch, "models": _cmd_models}[args.command]
+    try:
+        return handler(args)
+    except CLIError as e:
+        print(f"graphspec: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad parameter values found by the library (top_p, prompt length, ...)
+        print(f"graphspec: error: {_first_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ngraphspec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
