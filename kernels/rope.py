@@ -109,9 +109,15 @@ def _rope_kernel(
     d = tl.arange(0, BLOCK_HALF)
     d_mask = d < HALF
     pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.float32)
-    freq = pos * tl.load(inv_freq_ptr + d, mask=d_mask, other=0.0)
-    cos = (tl.cos(freq) * attention_scaling)[None, :]
-    sin = (tl.sin(freq) * attention_scaling)[None, :]
+    freq = pos * tl.load(inv_freq_ptr + d, mask=d_mask, other=0.0)  # fp32, rounded exactly as torch rounds it
+    # Reduce the angle to [-pi, pi] in fp64 before the fp32 cos/sin: angles reach thousands of radians
+    # (position * inv_freq[0] = position), where GPU sin/cos approximations lose accuracy; the
+    # reduction is exact enough that cos/sin then match torch's to ~1 ulp at any position.
+    two_pi = tl.full([BLOCK_HALF], 6.283185307179586, tl.float64)  # tl.full keeps all 53 bits
+    f64 = freq.to(tl.float64)
+    angle = (f64 - tl.floor(f64 / two_pi + 0.5) * two_pi).to(tl.float32)
+    cos = (tl.cos(angle) * attention_scaling)[None, :]
+    sin = (tl.sin(angle) * attention_scaling)[None, :]
     heads = tl.arange(0, BLOCK_H)
 
     q_tok = q_ptr + b * stride_qb + t * stride_qt
