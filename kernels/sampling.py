@@ -27,12 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, use_triton
+from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, interpreter_enabled, use_triton
 
 __all__ = ["warp_logits", "warp_logits_ref", "sample", "sample_ref", "exponential_noise"]
 
 # Smallest positive normal fp32: noise is clamped to it so probs / noise never divides by zero.
 _TINY = torch.finfo(torch.float32).tiny
+_INTERPRETING = interpreter_enabled()
 
 
 # ----------------------------------------------------------------------------- validation
@@ -141,9 +142,181 @@ def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return sample_ref(probs, noise)
 
 
+# ----------------------------------------------------------------------------- Triton kernels
+
+@triton.jit
+def _scaled_tile(l_row, stride_lv, idx, mask, temperature):
+    x = tl.load(l_row + idx * stride_lv, mask=mask, other=0.0).to(tl.float32)
+    # + 0.0 turns -0.0 into +0.0 so that equal values get equal ordered keys
+    return tl.div_rn(x, temperature) + 0.0
+
+
+@triton.jit
+def _ordered_key(z):
+    """Monotone map fp32 -> int32 (flip the magnitude bits of negatives), so float order == int order."""
+    bits = z.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _mass_at_or_above(l_row, stride_lv, V, temperature, zmax, key_thr, BLOCK_V: tl.constexpr):
+    """Sum of exp(z - zmax) over the tokens whose key is >= key_thr (unnormalised probability mass)."""
+    mass = 0.0
+    for start in range(0, V, BLOCK_V):
+        idx = start + tl.arange(0, BLOCK_V)
+        mask = idx < V
+        z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+        keep = (_ordered_key(z) >= key_thr) & mask
+        mass += tl.sum(tl.where(keep, tl.exp(z - zmax), 0.0), 0)
+    return mass
+
+
+@triton.jit
+def _search_threshold(l_row, stride_lv, V, temperature, zmax, lo, hi, target,
+                      USE_MASS: tl.constexpr, BLOCK_V: tl.constexpr, NPROBE: tl.constexpr):
+    """Largest key in [lo, hi) whose count (or mass) of tokens at or above it is still >= target.
+
+    Needs f(lo) >= target > f(hi). Each pass over the vocabulary evaluates NPROBE evenly spaced probe
+    keys at once and keeps the sub-interval where f crosses the target, so a 2^32-wide key range
+    takes 8 passes (NPROBE = 16) instead of 32 for a plain bisection. Exact: it ends on a real key.
+    """
+    j = tl.arange(0, NPROBE)
+    while hi - lo > 1:
+        step = (hi - lo + NPROBE - 1) // NPROBE
+        probes = lo + j.to(tl.int64) * step  # [NPROBE]
+        acc = tl.zeros([NPROBE], tl.float32)  # counts are exact in fp32 up to 2^24 tokens
+        for start in range(0, V, BLOCK_V):
+            idx = start + tl.arange(0, BLOCK_V)
+            mask = idx < V
+            z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+            above = (_ordered_key(z)[:, None] >= probes[None, :]) & mask[:, None]  # [BLOCK_V, NPROBE]
+            if USE_MASS:
+                acc += tl.sum(tl.where(above, tl.exp(z - zmax)[:, None], 0.0), 0)
+            else:
+                acc += tl.sum(above.to(tl.float32), 0)
+        ok = (acc >= target) & (probes < hi)
+        last = tl.max(tl.where(ok, j, 0), 0).to(tl.int64)  # probe 0 (= lo) holds by the invariant
+        new_lo = lo + last * step
+        hi = tl.minimum(new_lo + step, hi)
+        lo = new_lo
+    return lo
+
+
+@triton.jit
+def _warp_kernel(
+    logits_ptr, out_ptr,  # [N, V] (fp32/bf16/fp16), [N, V] fp32
+    stride_ln, stride_lv, stride_on, stride_ov,
+    V, temperature, top_k, top_p,
+    GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK_V: tl.constexpr, NPROBE: tl.constexpr,
+):
+    """One row: thresholds by a multi-probe bisection over ordered keys (no sort), then the renormalised write.
+
+    Search invariant for top-k: count(key >= lo) >= k > count(key >= hi); for top-p the same with
+    the mass and the target ``top_p * mass(top-k set)``. Both end on an actual key, so ties are kept.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    l_row = logits_ptr + row * stride_ln
+    o_row = out_ptr + row * stride_on
+    offs = tl.arange(0, BLOCK_V)
+    if GREEDY:
+        best = float("-inf")
+        best_idx = 0
+        for start in range(0, V, BLOCK_V):
+            idx = start + offs
+            mask = idx < V
+            x = tl.load(l_row + idx * stride_lv, mask=mask, other=float("-inf")).to(tl.float32)
+            tile_max = tl.max(x, 0)
+            tile_arg = tl.min(tl.where((x == tile_max) & mask, idx, V), 0)  # lowest index on ties
+            best_idx = tl.where(tile_max > best, tile_arg, best_idx)
+            best = tl.maximum(best, tile_max)
+        for start in range(0, V, BLOCK_V):
+            idx = start + offs
+            tl.store(o_row + idx * stride_ov, tl.where(idx == best_idx, 1.0, 0.0), mask=idx < V)
+    else:
+        zmax = float("-inf")
+        zmin = float("inf")
+        for start in range(0, V, BLOCK_V):
+            idx = start + offs
+            mask = idx < V
+            z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+            zmax = tl.maximum(zmax, tl.max(tl.where(mask, z, float("-inf")), 0))
+            zmin = tl.minimum(zmin, tl.min(tl.where(mask, z, float("inf")), 0))
+        key_top = _ordered_key(zmax).to(tl.int64) + 1  # nothing lies at or above it
+        thr = _ordered_key(zmin).to(tl.int64)  # everything lies at or above it
+        if (top_k > 0) & (top_k < V):
+            thr = _search_threshold(l_row, stride_lv, V, temperature, zmax, thr, key_top, top_k,
+                                    False, SEARCH_BLOCK_V, NPROBE)
+        if top_p < 1.0:
+            target = top_p * _mass_at_or_above(l_row, stride_lv, V, temperature, zmax, thr, BLOCK_V)
+            thr = _search_threshold(l_row, stride_lv, V, temperature, zmax, thr, key_top, target,
+                                    True, SEARCH_BLOCK_V, NPROBE)
+        total = _mass_at_or_above(l_row, stride_lv, V, temperature, zmax, thr, BLOCK_V)
+        for start in range(0, V, BLOCK_V):
+            idx = start + offs
+            mask = idx < V
+            z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+            keep = _ordered_key(z) >= thr
+            tl.store(o_row + idx * stride_ov, tl.where(keep, tl.exp(z - zmax) / total, 0.0), mask=mask)
+
+
+@triton.jit
+def _race_kernel(
+    probs_ptr, noise_ptr, out_ptr,  # [N, V] fp32, [N, V] fp32, [N] int64
+    stride_pn, stride_pv, stride_nn, stride_nv,
+    V,
+    BLOCK_V: tl.constexpr,
+):
+    """Exponential race: argmax over the row of probs / noise (lowest index on ties)."""
+    row = tl.program_id(0).to(tl.int64)
+    best = float("-inf")
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        idx = start + tl.arange(0, BLOCK_V)
+        mask = idx < V
+        p = tl.load(probs_ptr + row * stride_pn + idx * stride_pv, mask=mask, other=0.0)
+        e = tl.load(noise_ptr + row * stride_nn + idx * stride_nv, mask=mask, other=1.0)
+        score = tl.where(mask, tl.div_rn(p, e), float("-inf"))
+        tile_max = tl.max(score, 0)
+        tile_arg = tl.min(tl.where((score == tile_max) & mask, idx, V), 0)
+        best_idx = tl.where(tile_max > best, tile_arg, best_idx)
+        best = tl.maximum(best, tile_max)
+    tl.store(out_ptr + row, best_idx.to(tl.int64))
+
+
+# ----------------------------------------------------------------------------- launchers
+
+_NPROBE = 16
+
+
+def _block_v(V: int, search: bool = False) -> int:
+    # The search holds a [tile, NPROBE] block: smaller tiles on a GPU keep it in registers;
+    # under the interpreter larger tiles mean fewer (slow) interpreted iterations.
+    cap = 4096 if (not search or _INTERPRETING) else 512
+    return max(16, min(cap, triton.next_power_of_2(V)))
+
+
 def _warp_logits_triton(logits, temperature, top_k, top_p):
-    raise NotImplementedError("the Triton sampling kernels are being written; use backend='torch'")
+    temperature, top_k, top_p = _validate_warp(logits, temperature, top_k, top_p)
+    N, V = logits.shape
+    out = torch.empty((N, V), dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return out
+    greedy = temperature == 0.0
+    _warp_kernel[(N,)](
+        logits, out, *logits.stride(), *out.stride(), V,
+        # top_k travels as a float (exact below 2^24) so that k == 1 is not specialised into a constant
+        1.0 if greedy else temperature, float(top_k), top_p,
+        GREEDY=greedy, BLOCK_V=_block_v(V), SEARCH_BLOCK_V=_block_v(V, search=True), NPROBE=_NPROBE, num_warps=8,
+    )
+    return out
 
 
 def _sample_triton(probs, noise):
-    raise NotImplementedError("the Triton sampling kernels are being written; use backend='torch'")
+    _validate_sample(probs, noise)
+    N, V = probs.shape
+    out = torch.empty((N,), dtype=torch.int64, device=probs.device)
+    if N == 0:
+        return out
+    _race_kernel[(N,)](probs, noise, out, *probs.stride(), *noise.stride(), V,
+                       BLOCK_V=_block_v(V), num_warps=8)
+    return out
