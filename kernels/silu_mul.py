@@ -35,7 +35,10 @@ def _silu_mul_kernel(
     mask = offs < N
     g = tl.load(gate_ptr + row * stride_gm + offs * stride_gn, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_um + offs * stride_un, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    # exp of a non-positive number never overflows, whatever the sign of g
+    e = tl.exp(-tl.abs(g))
+    sigmoid = tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    y = g * sigmoid * u
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
