@@ -66,6 +66,16 @@ class ModelDrafter(Stage):
             run.draft_forwards += 1
         state.scratch(self)["cache"] = cache
 
+    def draw(self, logits: torch.Tensor, params, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next draft token from ``logits [1, V]`` fp32: ``(token [1], q [1, V] fp32 or None)``.
+
+        Greedy: the argmax, no distribution. Sampling: a draw from the warped q, and q itself.
+        """
+        if params.greedy:
+            return logits.argmax(dim=-1), None
+        q = warp_logits(logits, params.temperature, params.top_k, params.top_p)
+        return sample(q, exponential_noise(q.shape, generator, q.device)), q
+
     def run(self, state) -> None:
         k = state.num_draft
         if k <= 0:
@@ -77,23 +87,19 @@ class ModelDrafter(Stage):
         # Everything past len(tokens) - 1 is either the pending token or a rejected draft.
         cache.truncate(min(cache.length, len(tokens) - 1))
         new = torch.tensor([tokens[cache.length:]], dtype=torch.int64, device=run.device)
-        params = state.params
         V = run.vocab_size
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
             logits = self.model.step(new, cache, logits_for="last")[:, -1, :V]  # [1, <=V] fp32
             run.draft_forwards += 1
-            if params.greedy:
-                tok = logits.argmax(dim=-1)
-            else:
-                q = warp_logits(logits, params.temperature, params.top_k, params.top_p)
-                tok = sample(q, exponential_noise(q.shape, state.generator, q.device))
-                probs.append(q)
+            tok, q = self.draw(logits, state.params, state.generator)
             ids.append(tok)
+            if q is not None:
+                probs.append(q)
             new = tok.view(1, 1)
         state.draft_ids = torch.stack(ids, dim=1)  # [1, k]
-        if params.greedy:
+        if not probs:
             state.draft_probs = None
             return
         q = torch.stack(probs, dim=1)  # [1, k, Vd]

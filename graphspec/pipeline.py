@@ -247,6 +247,14 @@ class Pipeline:
         self._graph = self._graph.replace(name, stage)
         return self
 
+    def insert_stage(self, stage: Stage, *, before: str | None = None, after: str | None = None) -> "Pipeline":
+        """Add a stage before or after a named one (validated); returns self."""
+        if (before is None) == (after is None):
+            raise ValueError("insert_stage needs exactly one of before= or after=")
+        self._graph = (self._graph.insert_before(before, stage) if before is not None
+                       else self._graph.insert_after(after, stage))
+        return self
+
     @property
     def tokenizer(self):
         return _tokenizer(self.target)

@@ -35,7 +35,8 @@ class ToyCache:
 
 class ToyLM:
     def __init__(self, vocab_size: int = 16, seed: int = 0, scale: float = 2.0, table: torch.Tensor | None = None,
-                 max_position_embeddings: int = 4096, eos_token_ids=(), tokenizer=None, device="cpu"):
+                 max_position_embeddings: int = 4096, eos_token_ids=(), tokenizer=None, device="cpu",
+                 log: list | None = None, name: str = "toy"):
         g = torch.Generator().manual_seed(seed)
         if table is None:
             table = torch.randn(vocab_size + 1, vocab_size, vocab_size, generator=g) * scale
@@ -49,6 +50,8 @@ class ToyLM:
         self.dtype = torch.float32
         self.backend = None
         self.calls: list[list[int]] = []
+        self.log = log  # shared between models: (name, cached prefix, fed tokens) in call order
+        self.name = name
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> ToyCache:
         if max_seq_len > self.config.max_position_embeddings:
@@ -64,6 +67,8 @@ class ToyLM:
         B, T = token_ids.shape
         self.calls.append(token_ids[0].tolist())
         L = cache.length
+        if self.log is not None:
+            self.log.append((self.name, cache.tokens[0, :L].tolist(), token_ids[0].tolist()))
         if L + T > cache.capacity:
             raise ValueError("toy cache overflow")
         cache.tokens[:, L:L + T] = token_ids
