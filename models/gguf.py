@@ -391,7 +391,7 @@ def _write_safetensors(
                 if dtype == torch.float32:
                     buf = np.ascontiguousarray(chunk, dtype=np.float32)
                 else:
-                    buf = torch.from_numpy(np.ascontiguousarray(chunk)).to(dtype).view(torch.int16).numpy()
+                    buf = torch.from_numpy(np.require(chunk, np.float32, ["C", "W"])).to(dtype).view(torch.int16).numpy()
                 f.write(memoryview(buf).cast("B"))
                 written += buf.nbytes
                 on_rows(chunk.size)
