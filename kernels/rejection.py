@@ -121,5 +121,101 @@ def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, 
     return rejection_sample_ref(draft_ids, draft_probs, target_probs, uniform, noise)
 
 
+# ----------------------------------------------------------------------------- Triton kernel
+
+@triton.jit
+def _rejection_kernel(
+    draft_ids_ptr,  # [B, K] int64
+    draft_probs_ptr,  # [B, K, V] fp32 (unused without HAS_DRAFT_PROBS)
+    target_probs_ptr,  # [B, K+1, V] fp32
+    uniform_ptr,  # [B, K] fp32
+    noise_ptr,  # [B, V] fp32
+    tokens_ptr,  # [B, K+1] int64 (out)
+    num_accepted_ptr,  # [B] int64 (out)
+    stride_ib, stride_ik,
+    stride_db, stride_dk, stride_dv,
+    stride_tb, stride_tk, stride_tv,
+    stride_ub, stride_uk,
+    stride_nb, stride_nv,
+    stride_ob, stride_ok,
+    K, V,
+    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One sequence: find the accepted prefix n, race over the residual (or p_K) by vocabulary tiles, write."""
+    b = tl.program_id(0).to(tl.int64)
+    ids_row = draft_ids_ptr + b * stride_ib
+    p_rows = target_probs_ptr + b * stride_tb
+    q_rows = draft_probs_ptr + b * stride_db
+
+    n = 0
+    alive = 1
+    for i in range(0, K):
+        x = tl.load(ids_row + i * stride_ik)
+        # an id outside the vocabulary is rejected (p = 0) instead of being read out of bounds
+        valid = (x >= 0) & (x < V)
+        p = tl.load(p_rows + i * stride_tk + x * stride_tv, mask=valid, other=0.0)
+        if HAS_DRAFT_PROBS:
+            q = tl.load(q_rows + i * stride_dk + x * stride_dv, mask=valid, other=1.0)
+        else:
+            q = 1.0
+        u = tl.load(uniform_ptr + b * stride_ub + i * stride_uk)
+        alive = alive & (u * q < p).to(tl.int32)
+        n += alive
+
+    bonus = n == K
+    j = tl.minimum(n, K - 1)  # the rejected position (unused when bonus)
+    x_j = tl.load(ids_row + j * stride_ik)
+    p_row = p_rows + n * stride_tk  # p_n: the residual's p, or p_K for the bonus token
+    best_r = float("-inf")
+    arg_r = 0
+    best_p = float("-inf")
+    arg_p = 0
+    for start in range(0, V, BLOCK_V):
+        idx = start + tl.arange(0, BLOCK_V)
+        mask = idx < V
+        p = tl.load(p_row + idx * stride_tv, mask=mask, other=0.0)
+        e = tl.load(noise_ptr + b * stride_nb + idx * stride_nv, mask=mask, other=1.0)
+        if HAS_DRAFT_PROBS:
+            q = tl.load(q_rows + j * stride_dk + idx * stride_dv, mask=mask, other=0.0)
+        else:
+            q = tl.where(idx == x_j, 1.0, 0.0)
+        r = tl.where(bonus, p, tl.maximum(p - q, 0.0))
+        s_r = tl.where(mask, tl.div_rn(r, e), float("-inf"))
+        s_p = tl.where(mask, tl.div_rn(p, e), float("-inf"))
+        # running argmax of each race, lowest index on ties
+        tile_max = tl.max(s_r, 0)
+        tile_arg = tl.min(tl.where((s_r == tile_max) & mask, idx, V), 0)
+        arg_r = tl.where(tile_max > best_r, tile_arg, arg_r)
+        best_r = tl.maximum(best_r, tile_max)
+        tile_max = tl.max(s_p, 0)
+        tile_arg = tl.min(tl.where((s_p == tile_max) & mask, idx, V), 0)
+        arg_p = tl.where(tile_max > best_p, tile_arg, arg_p)
+        best_p = tl.maximum(best_p, tile_max)
+    # an all-zero residual (rounding only) falls back to p_n, as the reference does
+    emitted = tl.where(best_r > 0.0, arg_r, arg_p).to(tl.int64)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    drafts = tl.load(ids_row + offs_k * stride_ik, mask=offs_k < K, other=-1)
+    tok = tl.where(offs_k < n, drafts, -1)
+    tok = tl.where(offs_k == n, emitted, tok)
+    tl.store(tokens_ptr + b * stride_ob + offs_k * stride_ok, tok, mask=offs_k < K + 1)
+    tl.store(num_accepted_ptr + b, n.to(tl.int64))
+
+
 def _rejection_triton(draft_ids, draft_probs, target_probs, uniform, noise):
-    raise NotImplementedError("the Triton rejection kernel is being written; use backend='torch'")
+    B, K, V = _validate(draft_ids, draft_probs, target_probs, uniform, noise)
+    tokens = torch.empty((B, K + 1), dtype=torch.int64, device=target_probs.device)
+    num_accepted = torch.empty((B,), dtype=torch.int64, device=target_probs.device)
+    if B == 0:
+        return tokens, num_accepted
+    has_q = draft_probs is not None
+    q = draft_probs if has_q else target_probs  # placeholder pointer, never read
+    q_strides = draft_probs.stride() if has_q else (0, 0, 0)
+    block_v = max(16, min(4096 if not target_probs.is_cuda else 2048, triton.next_power_of_2(V)))
+    _rejection_kernel[(B,)](
+        draft_ids, q, target_probs, uniform, noise, tokens, num_accepted,
+        *draft_ids.stride(), *q_strides, *target_probs.stride(), *uniform.stride(), *noise.stride(),
+        *tokens.stride(), K, V,
+        HAS_DRAFT_PROBS=has_q, BLOCK_V=block_v, BLOCK_K=max(2, triton.next_power_of_2(K + 1)), num_warps=8,
+    )
+    return tokens, num_accepted
