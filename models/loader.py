@@ -63,27 +63,15 @@ def _resolve(path) -> Path:
         return p
     if p.exists():
         raise ValueError(f"{p} is a file; pass the checkpoint directory that holds config.json and *.safetensors")
-    name = str(path)
     try:
         from graphspec.models import zoo
     except ImportError:
-        zoo = None
-    if zoo is None or not _is_zoo_name(zoo, name):
-        raise FileNotFoundError(f"checkpoint directory {p} does not exist"
-                                + ("" if zoo is None else " and it is not a known zoo model name"))
+        raise FileNotFoundError(f"checkpoint directory {p} does not exist") from None
+    name = str(path)
+    if name not in zoo.ZOO:
+        raise FileNotFoundError(f"checkpoint directory {p} does not exist, and {name!r} is not a zoo model "
+                                f"name either (zoo: {', '.join(sorted(zoo.ZOO))})")
     return Path(zoo.resolve(name))
-
-
-def _is_zoo_name(zoo, name: str) -> bool:
-    for attr in ("is_known", "known", "is_zoo_name"):
-        fn = getattr(zoo, attr, None)
-        if callable(fn):
-            return bool(fn(name))
-    for attr in ("MODELS", "ZOO", "REGISTRY", "CATALOG"):
-        table = getattr(zoo, attr, None)
-        if isinstance(table, dict):
-            return name in table
-    return "/" not in name and "\\" not in name  # a bare name: let zoo.resolve say whether it knows it
 
 
 def _pick_dtype(dtype, config: ModelConfig) -> torch.dtype:

@@ -201,3 +201,15 @@ def test_model_holds_no_run_state(good):
     assert isinstance(c1, KVCache) and c1.k[0].shape == (1, 32, 2, 16) and c2.batch_size == 2
     m.step(torch.tensor([[1, 2, 3]]), c1)
     assert (c1.length, c2.length) == (3, 0)
+
+
+def test_zoo_names_go_through_the_zoo(good, monkeypatch):
+    from graphspec.models import zoo
+
+    asked = []
+    monkeypatch.setitem(zoo.ZOO, "tiny-test-model", object())
+    monkeypatch.setattr(zoo, "resolve", lambda name: asked.append(name) or good)
+    assert load_model("tiny-test-model").config.vocab_size > 0
+    assert asked == ["tiny-test-model"]
+    with pytest.raises(FileNotFoundError, match="'no-such-model' is not a zoo model name"):
+        load_model("no-such-model")
