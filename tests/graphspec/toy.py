@@ -88,3 +88,27 @@ class ToyLM:
         from graphspec.kernels.sampling import warp_logits
 
         return warp_logits(self._logits(seq, seq.shape[1] - 1)[:, 0], temperature, top_k, top_p)
+
+
+class ScriptLM(ToyLM):
+    """A model whose greedy output is a fixed script: the logits at position j point at ``script[j + 1]``.
+
+    Useful with a real tokenizer (hundreds of ids, where a trigram table would be too big) to force
+    exact texts: split UTF-8 characters, stop strings, EOS.
+    """
+
+    def __init__(self, script: list[int], vocab_size: int, wrong_every: int = 0, **kw):
+        super().__init__(table=torch.zeros(1, 1, vocab_size), **kw)
+        self.script = torch.tensor(list(script), dtype=torch.int64)
+        self.wrong_every = wrong_every  # a draft that deviates from the script every n positions
+
+    def _logits(self, seq: torch.Tensor, start: int) -> torch.Tensor:
+        B, L = seq.shape
+        V = self.config.vocab_size
+        pos = torch.arange(start, L)
+        nxt = self.script[(pos + 1).clamp(max=len(self.script) - 1)]
+        if self.wrong_every:
+            nxt = torch.where(pos % self.wrong_every == 0, (nxt + 1) % V, nxt)
+        logits = torch.full((B, L - start, V), -10.0)
+        logits[:, torch.arange(L - start), nxt] = 10.0
+        return logits
