@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -289,8 +290,13 @@ def _launch_config(q):
     return dot_fp32, precision
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _default_num_splits(q, B, Hk, L, block_n):
-    n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    n_sm = _sm_count(q.device) if q.is_cuda else 4
     want = triton.cdiv(2 * n_sm, max(1, B * Hk))  # about two programs per SM
     return max(1, min(want, triton.cdiv(L, block_n), _MAX_SPLITS))
 
@@ -345,7 +351,7 @@ def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int |
     _attn_split_kernel[(B * Hk, num_splits)](
         q, k, v, out, part_acc, part_m, part_l, *strides, T, L, Hk, D, G, qk_scale, split_len, num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
-        DIRECT=direct, num_warps=4,
+        DIRECT=direct, num_warps=4 if block_m * block_d <= 4096 else 8,
     )
     if not direct:
         _attn_combine_kernel[(B * Hk, n_rows)](
