@@ -44,12 +44,12 @@ _INTERPRET = interpreter_enabled()
 def _tiled_configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=1)]
+    # A dozen tile shapes around the Triton tutorial's: enough to adapt to fp32 (FMA) vs bf16
+    # (tensor cores) and to N, few enough that the first call of a new shape compiles quickly.
     configs = []
-    for bm, bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4)):
-        if bm * bn > 128 * 128 or (warps == 8 and bm * bn < 128 * 128):
-            continue  # over-large tiles spill registers; 8 warps only pay off on the big tiles
+    for (bm, bn), bk in itertools.product(((128, 128), (128, 64), (64, 128), (64, 64), (32, 64), (32, 128)), (32, 64)):
         configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                     num_warps=warps, num_stages=stages))
+                                     num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3))
     return configs
 
 
@@ -122,9 +122,8 @@ def _linear_tiled_kernel(
 def _skinny_configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
-            for bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3, 4))
-            if bn * bk <= 128 * 128]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=3)
+            for bn, bk in itertools.product((32, 64, 128), (64, 128, 256)) if bn * bk <= 128 * 128]
 
 
 def _prune_skinny(configs, named_args, **kwargs):

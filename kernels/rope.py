@@ -2,8 +2,9 @@
 
 - Convention, stated once for graphspec: a head vector ``x[D]`` is split into halves
   ``x1 = x[:D/2]``, ``x2 = x[D/2:]``; with ``f = position * inv_freq`` (``[D/2]``),
-  ``out = (x1 * cos f - x2 * sin f, x2 * cos f + x1 * sin f) * attention_scaling`` on cos/sin.
-  (HF writes this as ``x * cos + rotate_half(x) * sin`` with ``cos = cat(cos f, cos f)``.)
+  ``c = cos(f) * attention_scaling`` and ``s = sin(f) * attention_scaling``,
+  ``out = (x1 * c - x2 * s, x2 * c + x1 * s)``. HF writes this as
+  ``x * cos + rotate_half(x) * sin`` with ``cos = cat(c, c)``, ``sin = cat(s, s)``.
 - Positions are per token (``[B, T]`` int64), so rows need not be contiguous or equal
   across the batch (speculative verify, left padding, trees).
 - ``rope_inv_freq`` reproduces transformers' ``ROPE_INIT_FUNCTIONS`` for rope_type
@@ -111,8 +112,8 @@ def _rope_kernel(
     pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.float32)
     freq = pos * tl.load(inv_freq_ptr + d, mask=d_mask, other=0.0)  # fp32, rounded exactly as torch rounds it
     # Reduce the angle to [-pi, pi] in fp64 before the fp32 cos/sin: angles reach thousands of radians
-    # (position * inv_freq[0] = position), where GPU sin/cos approximations lose accuracy; the
-    # reduction is exact enough that cos/sin then match torch's to ~1 ulp at any position.
+    # (position * inv_freq[0] = position), where an approximate sin/cos (a backend is free to lower
+    # tl.cos to one) loses accuracy. After the reduction cos/sin match torch's to ~1 ulp at any position.
     two_pi = tl.full([BLOCK_HALF], 6.283185307179586, tl.float64)  # tl.full keeps all 53 bits
     f64 = freq.to(tl.float64)
     angle = (f64 - tl.floor(f64 / two_pi + 0.5) * two_pi).to(tl.float32)
