@@ -219,7 +219,11 @@ def _sm_count(device_index: int) -> int:
 
 
 def _choose_split_k(n: int, k: int, device: torch.device) -> int:
-    """Split K until there are ~4 programs per SM, keeping >= 512 of K per split."""
+    """Split K until there are ~4 programs per SM, keeping >= 512 of K per split.
+
+    Off CUDA (the interpreter) it assumes an H100-sized device (132 SMs), so CPU runs take the
+    same split decisions a GPU would.
+    """
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
     n_programs = triton.cdiv(n, 64)
