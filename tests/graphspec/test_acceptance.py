@@ -7,6 +7,8 @@ from graphspec import GreedyAcceptance, RejectionSampling, SamplingParams
 from graphspec.acceptance import greedy_accept
 from graphspec.state import RunInfo, State
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def _logits_with_argmax(best, V=8):
     """[1, len(best), V] logits whose row i has its maximum at best[i]."""

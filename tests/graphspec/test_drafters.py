@@ -9,6 +9,8 @@ import graphspec
 from graphspec.drafters import NgramDrafter
 from tests.graphspec.toy import ToyLM
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def _propose(tokens, k, max_ngram=3, min_ngram=1):
     d = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)

@@ -8,6 +8,8 @@ from graphspec import Graph, Stage
 from graphspec.state import RunInfo, State
 from tests.graphspec.toy import ToyLM
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def _stage(name, reads=(), writes=(), fn=None):
     return Stage(name, reads=reads, writes=writes, fn=fn or (lambda s: None))

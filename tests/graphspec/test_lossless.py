@@ -17,6 +17,8 @@ from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 from tests.graphspec.oracle import chi2_pvalue, exact_marginals
 from tests.graphspec.toy import ToyLM
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 N_RUNS = 2000
 V = 16
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so the n-gram drafter has proposals too

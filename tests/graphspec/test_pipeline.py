@@ -7,6 +7,8 @@ import graphspec
 from tests.checkpoints import save_tokenizer
 from tests.graphspec.toy import ScriptLM, ToyLM
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 V = 16
 
 

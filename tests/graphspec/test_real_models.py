@@ -1,0 +1,114 @@
+"""The Pipeline on real graphspec Transformers loaded from tiny Hugging Face checkpoints.
+
+Greedy speculative decoding must give the autoregressive tokens exactly (and those match
+transformers' own greedy generate), for a draft identical to the target, an unrelated random
+model with the same tokenizer, and n-gram drafts; sampling must reproduce the target's exact
+distribution of the first three tokens (2000 seeded runs, 32-token vocabulary, chi-square).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import graphspec
+from graphspec import SamplingParams
+from tests.checkpoints import make_checkpoint
+from tests.graphspec.oracle import chi2_pvalue, exact_marginals
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    target = make_checkpoint(root / "target", "llama", tokenizer="bytelevel", chat_template="chatml",
+                             hidden_size=64, layers=2, heads=4, kv_heads=2, seed=0)
+    # an unrelated model with the same tokenizer (another architecture, padded embedding)
+    other = make_checkpoint(root / "other", "qwen2", tokenizer="bytelevel", chat_template="chatml",
+                            vocab_size=448, hidden_size=32, layers=1, heads=2, kv_heads=1, seed=7)
+    return target, other
+
+
+@pytest.fixture(scope="module")
+def models(dirs):
+    target_dir, other_dir = dirs
+    return graphspec.load_model(target_dir), graphspec.load_model(other_dir)
+
+
+def test_greedy_speculative_equals_autoregressive_on_transformers(dirs, models):
+    target, other = models
+    tok = target.tokenizer
+    long_prompt = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 8)
+    prompts = [[tok.encode("The")[0]], long_prompt, [{"role": "user", "content": "Write a Stack class."}]]
+    ar = graphspec.Pipeline(target)
+    for prompt in prompts:
+        ref = ar.run(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        for k in (1, 3, 8):
+            same = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k)
+            out = same.run(prompt, max_new_tokens=24, ignore_eos=True)
+            assert out.token_ids == ref and out.stats.acceptance_rate == 1.0, (k, prompt)
+            unrelated = graphspec.Pipeline(target, draft=other, num_speculative_tokens=k).run(
+                prompt, max_new_tokens=24, ignore_eos=True)
+            assert unrelated.token_ids == ref and unrelated.stats.acceptance_rate < 0.5, (k, prompt)
+            ngram = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k).run(
+                prompt, max_new_tokens=24, ignore_eos=True)
+            assert ngram.token_ids == ref, (k, prompt)
+
+
+def test_paths_load_like_models_and_match_transformers(dirs, models):
+    transformers = pytest.importorskip("transformers")
+    target_dir, other_dir = dirs
+    target, _ = models
+    pipe = graphspec.Pipeline(str(target_dir), draft=str(other_dir), num_speculative_tokens=4)
+    prompt = "Once upon a time"
+    out = pipe.run(prompt, max_new_tokens=20, ignore_eos=True)
+    ids = target.tokenizer.encode(prompt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(target_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert out.token_ids == ref[0, len(ids):].tolist()
+    assert out.text == target.tokenizer.decode(out.token_ids)
+    s = out.stats
+    assert s.target_forwards == s.steps + 1 and s.draft_forwards > s.steps
+
+
+def test_stats_and_stream_on_transformers(models):
+    target, _ = models
+    k = 3
+    pipe = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k)
+    out = pipe.run("Hello, world!", max_new_tokens=24, ignore_eos=True)
+    assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length == k + 1
+    assert out.stats.accepted_per_position == [6] * k
+    pieces = list(pipe.stream("Hello, world!", max_new_tokens=24, ignore_eos=True))
+    assert "".join(pieces) == out.text
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    t = make_checkpoint(root / "t", "llama", tokenizer=None, vocab_size=32, hidden_size=32, layers=2, heads=4,
+                        kv_heads=2, seed=0)
+    d = make_checkpoint(root / "d", "mistral", tokenizer=None, vocab_size=32, hidden_size=16, layers=1, heads=2,
+                        kv_heads=1, seed=3)
+    return graphspec.load_model(t), graphspec.load_model(d)
+
+
+def test_sampling_on_transformers_matches_the_exact_distribution(tiny_vocab):
+    target, draft = tiny_vocab
+    prompt = [3]  # a one-token prompt: no prefill forwards, so 2000 runs stay cheap
+    params = SamplingParams(temperature=0.7, top_k=12)
+    exact = exact_marginals(target, prompt, params)
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2)
+    n = 2000
+    samples = np.empty((n, 3), dtype=np.int64)
+    accepted = proposed = 0
+    for seed in range(n):
+        r = pipe.run(prompt, max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=seed,
+                     ignore_eos=True)
+        samples[seed] = r.token_ids
+        accepted += r.stats.accepted
+        proposed += r.stats.proposed
+    pvalues = [chi2_pvalue(samples[:, i], exact[i]) for i in range(3)]
+    assert min(pvalues) > 1e-3, pvalues
+    assert 0.05 < accepted / proposed < 0.95, accepted / proposed
