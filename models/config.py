@@ -100,12 +100,14 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(d, source, head_dim)
         max_pos = r.positive_int("max_position_embeddings", default=_DEFAULT_MAX_POSITIONS[arch])
 
+        # As in transformers' modeling code: Qwen2 always has q/k/v biases (never on o_proj), Mistral never has
+        # any; only Llama reads attention_bias (then q, k, v and o all carry one).
         if arch == "Qwen2ForCausalLM":
-            # Qwen2 always has q/k/v biases and never an o_proj bias; a config field cannot change that in HF.
             attention_bias, out_bias = True, False
+        elif arch == "MistralForCausalLM":
+            attention_bias = out_bias = False
         else:
-            attention_bias = r.bool("attention_bias", default=False)
-            out_bias = attention_bias
+            attention_bias = out_bias = r.bool("attention_bias", default=False)
 
         tie = r.bool("tie_word_embeddings", default=False)
         bos = d.get("bos_token_id")
@@ -182,7 +184,7 @@ def _refuse_unsupported(d: dict, source: str, arch: str) -> None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source} has hidden_act={act!r}; only 'silu' (SwiGLU MLP) is implemented")
-    if d.get("mlp_bias"):
+    if arch == "LlamaForCausalLM" and d.get("mlp_bias"):  # the only one of the three whose MLP reads it
         raise ValueError(f"{source} has mlp_bias=true; MLP biases are not implemented")
     for name in _MOE_FIELDS:
         if d.get(name):

@@ -194,7 +194,8 @@ def make_checkpoint(dirpath, arch: str = "llama", *, tokenizer: str | None = "by
                     hidden_size: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, tie: bool = False,
                     rope_scaling: dict | None = None, seed: int = 0, max_shard_size: int | str | None = None,
                     chat_template: str | None = None, max_position_embeddings: int = 512,
-                    intermediate_size: int | None = None, tokenizer_vocab_size: int = 400) -> Path:
+                    intermediate_size: int | None = None, tokenizer_vocab_size: int = 400,
+                    extra_config: dict | None = None) -> Path:
     """Write a tiny random HF checkpoint into ``dirpath`` (created if needed) and return its Path.
 
     arch: "llama" | "qwen2" (q/k/v biases) | "mistral" (no sliding window).
@@ -210,6 +211,7 @@ def make_checkpoint(dirpath, arch: str = "llama", *, tokenizer: str | None = "by
     seed: weights are a pure function of (seed, shapes).
     max_shard_size: passed to save_pretrained (e.g. "40KB") to get model.safetensors.index.json + shards.
     chat_template: "chatml" (Qwen style) | "llama3" | None.
+    extra_config: more HF config fields, e.g. {"attention_bias": True} for a Llama with biases.
     """
     import torch
     import transformers
@@ -240,6 +242,7 @@ def make_checkpoint(dirpath, arch: str = "llama", *, tokenizer: str | None = "by
                   bos_token_id=bos_id, eos_token_id=eos_id, initializer_range=0.1)
     if rope_scaling is not None:
         common["rope_scaling"] = dict(rope_scaling)
+    common.update(extra_config or {})
     if arch == "llama":
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif arch == "qwen2":

@@ -43,6 +43,10 @@ def test_qwen2_has_qkv_bias_and_no_o_bias():
 def test_mistral_without_window_and_explicit_head_dim():
     c = ModelConfig.from_dict(_hf("mistral", sliding_window=None, head_dim=32))
     assert c.architecture == "MistralForCausalLM" and c.head_dim == 32
+    # transformers' Mistral has no biases whatever the config says; Llama's attention_bias covers q, k, v and o
+    assert not ModelConfig.from_dict({**_hf("mistral", sliding_window=None), "attention_bias": True}).attention_bias
+    c = ModelConfig.from_dict(_hf("llama", attention_bias=True))
+    assert c.attention_bias and c.attention_out_bias
 
 
 def test_llama3_rope_both_spellings_and_both_places():

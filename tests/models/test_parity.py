@@ -19,6 +19,7 @@ CASES = {
     "llama-sharded": dict(arch="llama", max_shard_size="60KB", seed=1),
     "llama-llama3-rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE, seed=2),
     "qwen2-bias": dict(arch="qwen2", seed=3),
+    "llama-attention-bias": dict(arch="llama", extra_config={"attention_bias": True}, seed=5),
     "mistral": dict(arch="mistral", heads=8, kv_heads=2, seed=4),
 }
 REL_TOL = 1e-5
