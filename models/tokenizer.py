@@ -198,14 +198,19 @@ class StreamDecoder:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def push(self, ids: int | Iterable[int]) -> str:
+    def push(self, ids) -> str:
+        """Add token ids (an int, a list, or a tensor) and return the text they complete."""
+        if hasattr(ids, "tolist"):  # torch / numpy
+            ids = ids.tolist()
         self._ids.extend([int(ids)] if isinstance(ids, int) else (int(i) for i in ids))
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""  # nothing new, or an incomplete UTF-8 character waiting for its next bytes
         out = new_text[len(prefix_text):]
-        self._prefix, self._read = self._read, len(self._ids)
+        # Only the ids from the new window start on are needed again: drop the rest.
+        self._ids = self._ids[self._read:]
+        self._prefix, self._read = 0, len(self._ids)
         return out
 
     def flush(self) -> str:
