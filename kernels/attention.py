@@ -295,6 +295,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _pipeline(q, block_m, block_d):
+    """(BLOCK_N, num_stages): fp32 operands (3xTF32 dots) need twice the shared memory of bf16 per stage;
+    these keep every configuration under the 227 KiB of an H100/H200 (measured from sm_90 compiles)."""
+    if q.dtype != torch.float32:
+        return 64, 3
+    return 32, (1 if block_m * block_d >= 8192 else 2)
+
+
 def _default_num_splits(q, B, Hk, L, block_n):
     n_sm = _sm_count(q.device) if q.is_cuda else 4
     want = triton.cdiv(2 * n_sm, max(1, B * Hk))  # about two programs per SM
@@ -320,20 +328,21 @@ def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int |
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
 
     if mode == "prefill":
-        block_m, block_n = 64, 64
+        block_m = 64
+        block_n, stages = _pipeline(q, block_m, block_d)
         grid = (triton.cdiv(T, block_m), B * Hq)
         _attn_prefill_kernel[grid](
             q, k, v, out, *strides, T, L, Hq, D, G, qk_scale,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
-            num_warps=4 if block_d <= 64 else 8,
+            num_warps=4 if block_d <= 64 else 8, num_stages=stages,
         )
         return out
 
-    block_n = 64
     block_m = max(16, triton.next_power_of_2(T * G))
-    if block_m > 2 * _SPLIT_MAX_ROWS:
+    block_n, stages = _pipeline(q, block_m, block_d)
+    if block_m > _SPLIT_MAX_ROWS:
         raise ValueError(f"mode='split' holds T*Hq/Hk={T * G} query rows in one program; at most "
-                         f"{2 * _SPLIT_MAX_ROWS} are supported (use mode='prefill')")
+                         f"{_SPLIT_MAX_ROWS} are supported (use mode='prefill')")
     if num_splits is None:
         num_splits = _default_num_splits(q, B, Hk, L, block_n)
     if num_splits < 1:
@@ -351,7 +360,7 @@ def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int |
     _attn_split_kernel[(B * Hk, num_splits)](
         q, k, v, out, part_acc, part_m, part_l, *strides, T, L, Hk, D, G, qk_scale, split_len, num_splits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
-        DIRECT=direct, num_warps=4 if block_m * block_d <= 4096 else 8,
+        DIRECT=direct, num_warps=4 if block_m * block_d <= 4096 else 8, num_stages=stages,
     )
     if not direct:
         _attn_combine_kernel[(B * Hk, n_rows)](

@@ -1,12 +1,20 @@
 """attention: Triton (both kernels, through the interpreter) against the fp32 reference, and the
 reference against an independent float64 formula; odd shapes, GQA, strided cache views, errors."""
 
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from graphspec.kernels import attention, attention_ref, use_backend
 from graphspec.kernels.attention import _attention_triton
 from tests.kernels._compare import assert_close
+
+REPO = Path(__file__).resolve().parents[2]
 
 # (atol, rtol) per dtype: bf16/fp16 kernels round the softmax weights to the storage dtype
 # before the P @ V product (as flash attention does on a GPU), the reference keeps fp32.
@@ -61,7 +69,7 @@ def test_triton_matches_reference(shape, dtype):
     expected = attention_ref(q, k, v)
     atol, rtol = TOL[dtype]
     for mode in ("prefill", "split"):
-        if mode == "split" and T * (Hq // Hk) > 256:
+        if mode == "split" and T * (Hq // Hk) > 128:  # one program holds at most 128 query rows
             continue
         # three splits where the cache is long enough exercises the partial/combine path
         out = _attention_triton(q, k, v, None, mode=mode, num_splits=3 if mode == "split" else None)
@@ -130,3 +138,96 @@ def _bad(**over):
 def test_errors_name_the_argument(over, match, backend):
     with use_backend(backend), pytest.raises(ValueError, match=match):
         attention(**_bad(**over))
+
+
+# ----------------------------------------------------------------------------- sm_90 compile check
+# The interpreter accepts programs a GPU compiler rejects (dot shapes, dtype mixes, shared memory),
+# so the kernels are also compiled ahead of time to sm_90 cubins with the ptxas inside the triton
+# wheel. Kernels must be defined with the interpreter off: the check runs in a subprocess
+# (``python -m tests.kernels.test_attention``). test_sampling / test_rejection reuse these helpers.
+
+def compile_for_sm90(specs) -> list[str]:
+    """Compile (name, kernel, signature, constexprs, options) specs for sm_90; return the failures."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = []
+    for name, kernel, signature, constexprs, options in specs:
+        try:
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", 90, 32), options=options)
+            if not compiled.asm.get("cubin"):
+                raise RuntimeError("no cubin produced")
+            if compiled.metadata.shared > 227 * 1024:
+                raise RuntimeError(f"needs {compiled.metadata.shared} bytes of shared memory; an H100/H200 has 227 KiB")
+        except Exception as exc:  # report every kernel, not only the first
+            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:1500]}")
+    return failures
+
+
+def compile_main(specs) -> int:
+    failures = compile_for_sm90(specs)
+    for failure in failures:
+        print("FAIL", failure)
+    print(f"{len(failures)} of {len(specs)} kernels failed to compile for sm_90")
+    return 1 if failures else 0
+
+
+def have_ptxas() -> bool:
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+def run_compile_check(module: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _sm90_specs():
+    """The launcher's configurations for D=128 (the largest tiles), fp32 and bf16 (fp16 lowers like bf16)."""
+    mod = importlib.import_module("graphspec.kernels.attention")
+    specs = []
+    for dt, torch_dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        p = "*" + dt
+        strides = {f"stride_{t}{c}": "i32" for t, cs in (("q", "bthd"), ("k", "blhd"), ("v", "blhd"), ("o", "bthd"))
+                   for c in cs}
+        probe = torch.empty(0, dtype=torch_dt)
+        precision = "tf32x3" if dt == "fp32" else "tf32"
+        block_n, stages = mod._pipeline(probe, 64, 128)
+        specs.append((f"prefill {dt}", mod._attn_prefill_kernel,
+                      {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, **strides, "T": "i32", "L": "i32", "Hq": "i32",
+                       "D": "i32", "GROUP": "i32", "qk_scale": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                       "BLOCK_D": "constexpr", "DOT_FP32": "constexpr", "DOT_PRECISION": "constexpr"},
+                      {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_D": 128, "DOT_FP32": False, "DOT_PRECISION": precision},
+                      {"num_warps": 8, "num_stages": stages}))
+        for block_m, direct in ((16, True), (mod._SPLIT_MAX_ROWS, False)):
+            block_n, stages = mod._pipeline(probe, block_m, 128)
+            specs.append((f"split {dt} BLOCK_M={block_m}", mod._attn_split_kernel,
+                          {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "part_acc_ptr": "*fp32",
+                           "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", **strides, "T": "i32", "L": "i32",
+                           "Hk": "i32", "D": "i32", "GROUP": "i32", "qk_scale": "fp32", "split_len": "i32",
+                           "num_splits": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                           "BLOCK_D": "constexpr", "DOT_FP32": "constexpr", "DOT_PRECISION": "constexpr",
+                           "DIRECT": "constexpr"},
+                          {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 128, "DOT_FP32": False,
+                           "DOT_PRECISION": precision, "DIRECT": direct},
+                          {"num_warps": 4 if block_m * 128 <= 4096 else 8, "num_stages": stages}))
+        specs.append((f"combine {dt}", mod._attn_combine_kernel,
+                      {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "o_ptr": p,
+                       **{f"stride_o{c}": "i32" for c in "bthd"}, "T": "i32", "Hk": "i32", "D": "i32",
+                       "GROUP": "i32", "num_splits": "i32", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"},
+                      {"BLOCK_S": mod._MAX_SPLITS, "BLOCK_D": 128}, {"num_warps": 4}))
+    return specs
+
+
+@pytest.mark.skipif(not have_ptxas(), reason="this triton wheel ships no ptxas; cannot compile for sm_90 here")
+def test_attention_kernels_compile_for_sm90():
+    run_compile_check("tests.kernels.test_attention")
+
+
+if __name__ == "__main__":
+    sys.exit(compile_main(_sm90_specs()))

@@ -1,12 +1,16 @@
 """rejection_sample: Triton (interpreter) == reference exactly on ids and counts; losslessness (the first
 emitted token is distributed as p_0, chi-square) with real and one-hot drafts; edge cases; errors."""
 
+import importlib
+import sys
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from graphspec.kernels import exponential_noise, rejection_sample, rejection_sample_ref, use_backend
 from graphspec.kernels.rejection import _rejection_triton
+from tests.kernels.test_attention import compile_main, have_ptxas, run_compile_check
 
 
 def _dist(shape, gen, sharp=2.0, zero_frac=0.0):
@@ -199,3 +203,23 @@ def test_reference_rejects_out_of_vocabulary_draft_ids():
     args["draft_ids"][1, 2] = 11
     with pytest.raises(ValueError, match="outside"):
         rejection_sample_ref(**args)
+
+
+def _sm90_specs():
+    mod = importlib.import_module("graphspec.kernels.rejection")
+    signature = {"draft_ids_ptr": "*i64", "draft_probs_ptr": "*fp32", "target_probs_ptr": "*fp32",
+                 "uniform_ptr": "*fp32", "noise_ptr": "*fp32", "tokens_ptr": "*i64", "num_accepted_ptr": "*i64",
+                 **{f"stride_{s}": "i32" for s in ("ib", "ik", "db", "dk", "dv", "tb", "tk", "tv", "ub", "uk",
+                                                    "nb", "nv", "ob", "ok")},
+                 "K": "i32", "V": "i32", "HAS_DRAFT_PROBS": "constexpr", "BLOCK_V": "constexpr", "BLOCK_K": "constexpr"}
+    return [(f"rejection has_draft_probs={has_q}", mod._rejection_kernel, signature,
+             {"HAS_DRAFT_PROBS": has_q, "BLOCK_V": 2048, "BLOCK_K": 8}, {"num_warps": 8}) for has_q in (True, False)]
+
+
+@pytest.mark.skipif(not have_ptxas(), reason="this triton wheel ships no ptxas; cannot compile for sm_90 here")
+def test_rejection_kernel_compiles_for_sm90():
+    run_compile_check("tests.kernels.test_rejection")
+
+
+if __name__ == "__main__":
+    sys.exit(compile_main(_sm90_specs()))

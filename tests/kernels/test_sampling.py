@@ -1,7 +1,9 @@
 """warp_logits / sample / exponential_noise: Triton (interpreter) == torch reference, the reference ==
 a brute-force float64 reading of the definition, and a chi-square check that sampling draws from probs."""
 
+import importlib
 import itertools
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from scipy.stats import chisquare
 from graphspec.kernels import exponential_noise, sample, sample_ref, use_backend, warp_logits, warp_logits_ref
 from graphspec.kernels.sampling import _sample_triton, _warp_logits_triton
 from tests.kernels._compare import assert_close
+from tests.kernels.test_attention import compile_main, have_ptxas, run_compile_check
 
 ATOL = 1e-6  # fp32 probabilities
 
@@ -175,3 +178,32 @@ def test_sample_errors(backend):
             sample(probs.double(), torch.ones(2, 10))
         with pytest.raises(ValueError, match="noise is on"):
             sample(probs, torch.ones(2, 10, device="meta"))
+
+
+def _sm90_specs():
+    """The launcher's configurations (V = 50257), fp32 and bf16 logits (fp16 lowers like bf16)."""
+    mod = importlib.import_module("graphspec.kernels.sampling")
+    specs = []
+    for dt in ("fp32", "bf16"):
+        for greedy in (False, True):
+            specs.append((f"warp {dt} greedy={greedy}", mod._warp_kernel,
+                          {"logits_ptr": "*" + dt, "out_ptr": "*fp32", "stride_ln": "i32", "stride_lv": "i32",
+                           "stride_on": "i32", "stride_ov": "i32", "V": "i32", "temperature": "fp32",
+                           "top_k": "fp32", "top_p": "fp32", "GREEDY": "constexpr", "BLOCK_V": "constexpr",
+                           "SEARCH_BLOCK_V": "constexpr", "NPROBE": "constexpr"},
+                          {"GREEDY": greedy, "BLOCK_V": 4096, "SEARCH_BLOCK_V": 512, "NPROBE": mod._NPROBE},
+                          {"num_warps": 8}))
+    specs.append(("race", mod._race_kernel,
+                  {"probs_ptr": "*fp32", "noise_ptr": "*fp32", "out_ptr": "*i64", "stride_pn": "i32",
+                   "stride_pv": "i32", "stride_nn": "i32", "stride_nv": "i32", "V": "i32", "BLOCK_V": "constexpr"},
+                  {"BLOCK_V": 4096}, {"num_warps": 8}))
+    return specs
+
+
+@pytest.mark.skipif(not have_ptxas(), reason="this triton wheel ships no ptxas; cannot compile for sm_90 here")
+def test_sampling_kernels_compile_for_sm90():
+    run_compile_check("tests.kernels.test_sampling")
+
+
+if __name__ == "__main__":
+    sys.exit(compile_main(_sm90_specs()))
