@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -698,6 +699,8 @@ def convert_gguf(
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ValueError(f"out_dir={str(out_dir)!r} already exists; remove it or choose another directory")
+    if progress:  # the reader parses the whole vocabulary first: seconds with nothing else to show
+        print(f"reading {Path(gguf_path).name} ...", file=sys.stderr, flush=True)
     info = read_gguf_metadata(gguf_path)
     config = _hf_config(info, dtype)
     plans = _tensor_plan(info, config)
@@ -715,7 +718,7 @@ def convert_gguf(
     try:
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {
-            "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], "do_sample": False,
+            "bos_token_id": config["bos_token_id"], "eos_token_id": _end_of_generation_ids(info), "do_sample": False,
         })  # fmt: skip
         tokenizer.save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
@@ -738,6 +741,26 @@ def convert_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+# Control tokens that end a generation whatever the file's eos_token_id says, as llama.cpp treats
+# them (a chat model stops at its turn end as well as at the document end).
+_END_OF_GENERATION_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>")
+
+
+def _end_of_generation_ids(info: GGUFInfo) -> list[int] | int | None:
+    ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        if (i := info.get(f"tokenizer.ggml.{key}")) is not None and int(i) not in ids:
+            ids.append(int(i))
+    tokens = info.get("tokenizer.ggml.tokens") or []
+    types = info.get("tokenizer.ggml.token_type") or []
+    for i, (tok, ty) in enumerate(zip(tokens, types)):
+        if ty == _TOKEN_TYPE_CONTROL and tok in _END_OF_GENERATION_TOKENS and i not in ids:
+            ids.append(i)
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -43,7 +43,7 @@ import torch
 __all__ = ["ZOO", "ZooEntry", "cache_root", "cached", "fetch", "list_models", "resolve"]
 
 # Bump when the converter's output changes, so that old cache entries are rebuilt.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 _MANIFEST = "graphspec-manifest.json"
 
 

@@ -209,6 +209,9 @@ def test_converted_dir_layout_and_config(tiny, arch):
     assert cfg["torch_dtype"] == "float32"
     tokens, _, _ = _tiny_vocab()
     assert cfg["bos_token_id"] == tokens.index("<|im_start|>") and cfg["eos_token_id"] == tokens.index("<|im_end|>")
+    # generation also ends at the document end, as llama.cpp stops at either
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tokens.index("<|im_end|>"), tokens.index("<|endoftext|>")]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
