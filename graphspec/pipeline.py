@@ -39,10 +39,10 @@ from graphspec.verify import Verify
 
 __all__ = ["Pipeline", "GenerationResult", "build_graph", "STEP_INPUTS", "STEP_OUTPUTS"]
 
-STEP_INPUTS = ("tokens", "num_draft", "params", "generator")
+STEP_INPUTS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 STEP_OUTPUTS = ("emitted",)
 _NO_DRAFT_INPUTS = ("draft_ids", "draft_probs")
-VOCAB_MAPPING_MODES = ("auto", "none")
+VOCAB_MAPPING_MODES = ("auto", "tli", "slem", "none")
 
 
 @dataclass
@@ -340,12 +340,18 @@ class Pipeline:
         graph = self._graph
         device = torch.device(target.device)
         K = self.num_speculative_tokens if self.speculative else 0
+        capacity = len(ids) + max_new_tokens
         run = RunInfo(target=target, vocab_size=target.config.vocab_size, device=device,
-                      capacity=len(ids) + max_new_tokens, prompt_len=len(ids), num_speculative_tokens=K)
+                      capacity=capacity, prompt_len=len(ids), num_speculative_tokens=K)
         state = State(run)
         gen = torch.Generator(device=device)
         gen.manual_seed(params.seed if params.seed is not None else _random_seed())
         state.tokens = list(ids)
+        # The committed ids on the device too, so stages slice their inputs without host->device
+        # copies; each step writes its whole emitted row at len(tokens) (the -1 tail is scratch).
+        buffer = torch.empty(capacity + K + 1, dtype=torch.int64, device=device)
+        buffer[:len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        state.token_buffer = buffer
         state.params = params
         state.generator = gen
         if not self.speculative:
@@ -378,7 +384,10 @@ class Pipeline:
                 state.num_draft = min(K, remaining - 1)
                 with use_backend(backend):
                     graph.run(state, stats.stage_seconds, sync=sync, device=device)
-                row = state.emitted[0].tolist()  # the step's one host sync
+                emitted = state.emitted[0]
+                n = len(state.tokens)
+                buffer[n:n + emitted.shape[0]] = emitted
+                row = emitted.tolist()  # the step's one host sync
                 valid = row.index(-1) if -1 in row else len(row)
                 if valid < 1:
                     raise RuntimeError(f"the accept stage emitted no token (emitted={row}); it must emit at least one")

@@ -1,0 +1,132 @@
+"""The command line, through a subprocess as a user runs it.
+
+Tiny checkpoints written by transformers keep these fast; the real zoo models are
+exercised by the slow tests at the bottom (run in CI, cached after the first fetch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graphspec.cli import recommend_k
+from tests.checkpoints import make_checkpoint
+
+
+def _cli(*args, input_text=None, timeout=300, env_extra=None):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the CLI runs the CPU fast path, as a user's would
+    if env_extra:
+        env.update(env_extra)
+    return subprocess.run([sys.executable, "-m", "graphspec", *args], capture_output=True, text=True,
+                          input=input_text, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    return make_checkpoint(d / "tiny", "llama", tokenizer="bytelevel", chat_template="chatml")
+
+
+def _assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("graphspec: error:") or last.startswith("graphspec run: error:"), proc.stderr
+    for f in fragments:
+        assert f in last, (f, last)
+
+
+def test_run_streams_text_and_prints_stats(tiny):
+    p = _cli("run", "--target", str(tiny), "--draft", "ngram", "-k", "3", "--dtype", "fp32",
+             "--max-new-tokens", "12", "--ignore-eos", "def fibonacci(n):")
+    assert p.returncode == 0, p.stderr
+    stats_line = p.stderr.strip().splitlines()[-1]
+    assert "tok/s" in stats_line and "acceptance" in stats_line and "tokens per target forward" in stats_line
+    assert "12 tokens" in stats_line
+    assert p.stdout.strip(), "no generated text on stdout"
+
+
+def test_run_matches_library_output(tiny):
+    import graphspec
+
+    expected = graphspec.Pipeline(graphspec.load_model(tiny, dtype="float32")).run(
+        "The quick brown", max_new_tokens=10, ignore_eos=True)
+    p = _cli("run", "--target", str(tiny), "--dtype", "fp32", "--max-new-tokens", "10", "--ignore-eos",
+             "--json", "The quick brown")
+    assert p.returncode == 0, p.stderr
+    text, _, stats = p.stdout.partition("\n{")
+    assert text == expected.text
+    assert json.loads("{" + stats)["generated_tokens"] == 10
+
+
+def test_run_chat_and_sampling_flags(tiny):
+    p = _cli("run", "--target", str(tiny), "--draft", str(tiny), "--chat", "--temperature", "0.8", "--top-k", "20",
+             "--top-p", "0.9", "--seed", "3", "--dtype", "fp32", "--max-new-tokens", "8", "hello there")
+    assert p.returncode == 0, p.stderr
+    again = _cli("run", "--target", str(tiny), "--draft", str(tiny), "--chat", "--temperature", "0.8", "--top-k", "20",
+                 "--top-p", "0.9", "--seed", "3", "--dtype", "fp32", "--max-new-tokens", "8", "hello there")
+    assert again.stdout == p.stdout, "the same seed must give the same text"
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("run", "--target", "no-such-model-name", "hi"), ["no-such-model-name"]),
+    (("run", "--target", "/nonexistent/dir/model", "hi"), ["/nonexistent/dir/model"]),
+    (("run", "--target", "TINY", "--top-p", "1.5", "hi"), ["top_p"]),
+    (("run", "--target", "TINY", "--top-k", "-3", "hi"), ["top_k"]),
+    (("run", "--target", "TINY", "-k", "0", "hi"), ["-k"]),
+    (("run", "--target", "TINY", "--temperature", "-1", "hi"), ["--temperature"]),
+    (("run", "--target", "TINY", "--max-new-tokens", "100000", "hi"), ["max_position_embeddings"]),
+    (("run", "--target", "TINY", "--draft", "/nope", "hi"), ["--draft", "/nope"]),
+    (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
+    (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
+])
+def test_errors_are_one_clear_line(tiny, args, fragments):
+    args = tuple(str(tiny) if a == "TINY" else a for a in args)
+    _assert_one_line_error(_cli(*args), *fragments)
+
+
+def test_models_lists_the_zoo(tmp_path):
+    p = _cli("models", env_extra={"GRAPHSPEC_CACHE": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
+        assert name in p.stdout
+    assert "not cached" in p.stdout
+
+
+def test_bench_on_user_prompts(tiny, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def fibonacci(n):"}\n"The quick brown fox"\n'
+                       '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    out = tmp_path / "bench.json"
+    p = _cli("bench", "--target", str(tiny), "--draft", str(tiny), "--dtype", "fp32", "--prompts", str(prompts),
+             "--max-new-tokens", "9", "--max-k", "4", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "recommended K:" in p.stdout
+    result = json.loads(out.read_text())
+    assert len(result["prompts"]) == 3
+    # the draft is the target itself: every draft position is accepted whenever proposed
+    assert all(r["acceptance_rate"] == 1.0 and r["identical_to_autoregressive"] for r in result["prompts"])
+
+
+def test_recommend_k_prefers_long_drafts_only_when_they_pay():
+    # perfect acceptance and a free draft: the longest K wins
+    k, rows = recommend_k([10] * 6, steps=10, verify_seconds=1.0, draft_seconds_per_token=0.0, max_k=6)
+    assert k == 6 and rows[-1]["tokens_per_step"] == 7
+    # acceptance collapses after position 2 and drafting is costly: K=2
+    k, _ = recommend_k([9, 8, 0, 0, 0], steps=10, verify_seconds=1.0, draft_seconds_per_token=0.3, max_k=5)
+    assert k == 2
+
+
+@pytest.mark.slow
+def test_real_pair_demo_command():
+    """The README's demo pair, across tokenizers, through the CLI (models fetched and converted once, then cached)."""
+    p = _cli("run", "--target", "qwen2.5-coder-0.5b-instruct", "--draft", "smollm2-135m-instruct", "--chat",
+             "--max-new-tokens", "24", "Write a Python function that adds two numbers.", timeout=1800)
+    assert p.returncode == 0, p.stderr
+    assert "def " in p.stdout
+    assert "acceptance" in p.stderr.strip().splitlines()[-1]
