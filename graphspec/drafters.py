@@ -29,7 +29,7 @@ from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
 __all__ = ["ModelDrafter", "NgramDrafter"]
 
-DRAFT_READS = ("tokens", "num_draft", "params", "generator")
+DRAFT_READS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 DRAFT_WRITES = ("draft_ids", "draft_probs")
 
 
@@ -83,10 +83,10 @@ class ModelDrafter(Stage):
             return
         run = state.run
         cache = state.scratch(self)["cache"]
-        tokens = state.tokens
-        # Everything past len(tokens) - 1 is either the pending token or a rejected draft.
-        cache.truncate(min(cache.length, len(tokens) - 1))
-        new = torch.tensor([tokens[cache.length:]], dtype=torch.int64, device=run.device)
+        n = len(state.tokens)
+        # Everything past n - 1 is either the pending token or a rejected draft.
+        cache.truncate(min(cache.length, n - 1))
+        new = state.token_buffer[cache.length:n].view(1, -1)
         V = run.vocab_size
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []

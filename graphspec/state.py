@@ -12,6 +12,8 @@ Fields of the standard speculative step (see ``graphspec.pipeline``):
 ==============  ============================================================================
 tokens          committed ids, prompt + generated (Python list; the last one is "pending":
                 committed but not yet in the target's KV cache)
+token_buffer    the committed ids on the device (``[capacity + K + 1]`` int64; entries from
+                ``len(tokens)`` on are scratch), so stages feed models without host copies
 num_draft       how many draft tokens this step may propose (``min(K, remaining - 1)``)
 params          ``SamplingParams``
 generator       ``torch.Generator`` on the target's device, seeded from ``params.seed``

@@ -21,7 +21,7 @@ __all__ = ["Verify"]
 
 
 class Verify(Stage):
-    reads = ("tokens", "draft_ids")
+    reads = ("tokens", "token_buffer", "draft_ids")
     writes = ("target_logits",)
 
     def __init__(self, model, name: str = "verify"):
@@ -38,10 +38,10 @@ class Verify(Stage):
 
     def run(self, state) -> None:
         cache = state.scratch(self)["cache"]
-        tokens = state.tokens
-        cache.truncate(len(tokens) - 1)
+        n = len(state.tokens)
+        cache.truncate(n - 1)
         draft = state.draft_ids
-        pending = torch.tensor([tokens[-1:]], dtype=torch.int64, device=draft.device)
+        pending = state.token_buffer[n - 1:n].view(1, 1)
         ids = torch.cat([pending, draft], dim=1) if draft.shape[1] else pending
         state.target_logits = self.model.step(ids, cache, logits_for="all")  # [1, k+1, V] fp32
         state.run.target_forwards += 1
