@@ -97,11 +97,13 @@ def _same_vocabulary(target, draft) -> bool:
     return tt.get_vocab() == dt.get_vocab()
 
 
-def _vocab_stage(target, draft, mode: str) -> Stage | None:
-    """The stage that maps draft tokens into the target's vocabulary, or None when they share one.
+def _vocab_stage(target, draft, mode: str) -> tuple[Stage, Stage] | None:
+    """``(drafter, map stage)`` for a draft with another tokenizer, or None when they share one.
 
-    The single hook for cross-vocabulary drafting: it runs between draft and verify.
-    ``mode="none"`` trusts that the ids are shared (tiny test models without tokenizers).
+    The single hook for cross-vocabulary drafting (``graphspec.vocab_stages``): the drafter keeps
+    its own token list in step with the committed text and the map stage runs between draft and
+    verify. ``mode``: "auto", "tli" or "slem" (see vocab_stages); ``"none"`` trusts that the ids are
+    shared (tiny test models without tokenizers).
     """
     if mode not in VOCAB_MAPPING_MODES:
         raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MAPPING_MODES}")
@@ -113,9 +115,9 @@ def _vocab_stage(target, draft, mode: str) -> Stage | None:
         raise ValueError(f"different vocabularies: {which} has no tokenizer, so graphspec cannot tell whether "
                          f"draft and target ids mean the same tokens; give both a tokenizer, or pass "
                          f"vocab_mapping='none' if they share one vocabulary")
-    raise ValueError(f"different vocabularies: draft ({dt.vocab_size} tokens) and target ({tt.vocab_size} tokens) "
-                     f"do not share a tokenizer, and cross-vocabulary mapping is not available yet; "
-                     f"use a draft with the target's tokenizer or draft='ngram'")
+    from graphspec.vocab_stages import vocab_stages
+
+    return vocab_stages(target, draft, mode)
 
 
 def _check_positive_int(name: str, v, minimum: int = 1) -> int:
@@ -187,8 +189,8 @@ class Pipeline:
     (strings load with ``dtype``, ``device``, ``backend``; a string draft goes to the target's
     device). ``draft="ngram"`` is prompt lookup with ``max_ngram``; a ``Stage`` is used as the
     drafter as is. ``acceptance``: None (``RejectionSampling``, exact match at temperature 0),
-    ``"greedy"``, ``"rejection"`` or a ``Stage``. ``vocab_mapping``: "auto" (the draft must share
-    the target's vocabulary until cross-vocabulary mapping lands) or "none" (trust shared ids).
+    ``"greedy"``, ``"rejection"`` or a ``Stage``. ``vocab_mapping``: for a draft with another tokenizer,
+    "tli", "slem" (greedy only) or "auto" (see ``graphspec.vocab_stages``); "none" trusts shared ids.
     ``sync_timing``: synchronise the device around stage timers (default: on CUDA).
     """
 
@@ -215,10 +217,12 @@ class Pipeline:
             if torch.device(self.draft.device) != torch.device(self.target.device):
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")
-            mapper = _vocab_stage(self.target, self.draft, vocab_mapping)
-            if mapper is not None:
+            cross = _vocab_stage(self.target, self.draft, vocab_mapping)
+            if cross is None:
+                drafter = ModelDrafter(self.draft)
+            else:
+                drafter, mapper = cross
                 between.append(mapper)
-            drafter = ModelDrafter(self.draft)
 
         if acceptance is None or acceptance == "rejection":
             rule: Stage = RejectionSampling()

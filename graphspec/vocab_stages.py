@@ -1,0 +1,406 @@
+"""Drafting across vocabularies: a draft model with its own tokenizer, and the map stage.
+
+After Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms
+for Heterogeneous Vocabularies" (ICML 2025). The step graph is
+``draft (CrossVocabDrafter) -> map (VocabMap) -> verify -> accept``; verify and accept are the
+same-vocabulary stages, unchanged.
+
+- The draft conditions on the committed text in ITS OWN tokens. ``CrossVocabDrafter`` keeps a
+  draft token list that spells exactly the committed text's bytes (``graphspec.vocab`` compares
+  tokens as bytes): newly committed target tokens are first matched against the draft's own
+  proposals (accepted drafts keep their KV entries), then mapped through the target->draft
+  table when every one has a counterpart, else the tail of the text is re-tokenized with the
+  draft's tokenizer from a look-behind window a few tokens back (so merges across the boundary
+  come out as the draft would write them). The draft's KV cache is cut at the first token that
+  changed and the rest is fed at the next draft.
+- TLI (token-level intersection; greedy and sampling): the draft's logits are masked to the
+  intersection *before* temperature / top-k / top-p, it samples (or argmaxes) there, and the
+  map stage moves ids and q into the target's vocabulary (q is zero outside the intersection).
+  Rejection sampling then runs unchanged, so the output is exactly the target's distribution.
+- SLEM (string-level exact match; greedy only): the draft generates freely in its own
+  vocabulary; the map stage re-tokenizes its text with the target's tokenizer after a
+  look-behind window of committed target tokens (kept only if the tokenizer reproduces them,
+  so a merge across the boundary does not shift the proposals) and the target verifies by exact
+  match. Drafting stops at a draft special token (its meaning is model-specific).
+- ``mode="auto"`` resolves per generation: ``AUTO_GREEDY_MODE`` at temperature 0 (the mode that
+  accepted more in our measurement, see the README), TLI when sampling.
+
+Per-run bookkeeping lives in ``state.scratch(stage)``; the resolved mode and the intersection
+size go to ``state.run.extra["vocab"]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from graphspec.drafters import prefill
+from graphspec.graph import Stage
+from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
+from graphspec.kernels.vocab_map import vocab_map, vocab_mask_logits
+from graphspec.vocab import ByteEncoder, VocabMapping, build_vocab_mapping
+
+__all__ = ["CrossVocabDrafter", "VocabMap", "vocab_stages", "VOCAB_MODES", "AUTO_GREEDY_MODE"]
+
+VOCAB_MODES = ("auto", "tli", "slem")
+AUTO_GREEDY_MODE = "tli"
+
+# Draft tokens re-tokenized before new text (draft side) / committed target tokens kept as
+# context for SLEM's re-tokenization (target side): enough for a merge across the boundary.
+DRAFT_LOOKBEHIND = 4
+TARGET_LOOKBEHIND = 4
+
+DRAFT_OWN_FIELDS = ("draft_own_ids", "draft_own_probs")
+
+
+def resolve_mode(mode: str, params) -> str:
+    if mode == "auto":
+        return AUTO_GREEDY_MODE if params.greedy else "tli"
+    return mode
+
+
+def check_mode(mode: str, params) -> None:
+    if mode not in VOCAB_MODES:
+        raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MODES}")
+    if mode == "slem" and not params.greedy:
+        raise ValueError(f"vocab_mapping='slem' verifies by exact string match, which is lossless only for greedy "
+                         f"decoding, but temperature={params.temperature}; use vocab_mapping='tli' (or 'auto') "
+                         f"to sample across vocabularies")
+
+
+@dataclass
+class _DraftText:
+    """The draft's own token list for one generation, kept spelling the committed text."""
+
+    own: list[int]                 # draft ids: prompt part, then the generated text
+    n_prompt: int
+    committed: bytearray = field(default_factory=bytearray)  # generated text, as the target committed it
+    # Boundaries (index into own, byte offset into committed) where own[n_prompt:i] spells committed[:off].
+    safe_idx: list[int] = field(default_factory=list)
+    safe_off: list[int] = field(default_factory=list)
+    synced: int = 0                # target tokens folded in so far (prompt included)
+    fed: list[int] = field(default_factory=list)        # draft ids in the draft's KV cache, in order
+    proposals: list[int] = field(default_factory=list)  # the draft ids proposed by the last step
+
+    def add_boundary(self, off: int) -> None:
+        self.safe_idx.append(len(self.own))
+        self.safe_off.append(off)
+
+
+class CrossVocabDrafter(Stage):
+    """Draft with a model whose tokenizer differs from the target's (TLI or SLEM, see the module)."""
+
+    reads = ("tokens", "num_draft", "params", "generator")
+    writes = DRAFT_OWN_FIELDS
+
+    def __init__(self, model, mapping: VocabMapping, target_tokenizer, mode: str = "auto", name: str = "draft"):
+        super().__init__(name)
+        if mode not in VOCAB_MODES:
+            raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MODES}")
+        if model.config.vocab_size != mapping.draft_vocab_size:
+            raise ValueError(f"the vocabulary mapping was built for a draft vocab_size of {mapping.draft_vocab_size} "
+                             f"but the draft model has {model.config.vocab_size}")
+        self.model = model
+        self.mapping = mapping
+        self.mode = mode
+        self.draft_tokenizer = model.tokenizer
+        self.target_tokenizer = target_tokenizer
+        self.encoder = ByteEncoder(self.draft_tokenizer, mapping.draft_tokens)
+        self._t2d = mapping.target_to_draft.tolist()
+        self._draft_special = mapping.draft_tokens.special_ids()
+        # SLEM drafts freely, but only ids that spell something: not the embedding's padding rows.
+        dt = mapping.draft_tokens
+        n = len(dt)
+        self._spellable = torch.tensor([i if i < n and (dt.pieces[i] or i in self._draft_special) else -1
+                                        for i in range(mapping.draft_vocab_size)], dtype=torch.int64)
+        self._spellable_on: dict[str, torch.Tensor] = {}
+
+    def check(self, params) -> None:
+        check_mode(self.mode, params)
+
+    # ------------------------------------------------------------------ prompt
+
+    def prompt_tokens(self, target_ids: list[int]) -> list[int]:
+        """The prompt in the draft's tokens: its text re-encoded by the draft's tokenizer.
+
+        Special tokens carry over by content when the draft has the same special (ChatML's
+        ``<|im_start|>`` in both families), else they are dropped; the target's BOS is replaced
+        by whatever the draft's tokenizer adds itself.
+        """
+        dt, tt = self.draft_tokenizer, self.target_tokenizer
+        t_special = self.mapping.target_tokens.special_ids()
+        d_special_by_content = {self.mapping.draft_tokens.pieces[i]: i for i in self._draft_special}
+        out = list(dt.backend.encode("", add_special_tokens=True).ids)  # the draft's own BOS, if it adds one
+        bos = getattr(tt, "bos_token_id", None)
+        run: list[int] = []
+
+        def flush():
+            if run:
+                out.extend(dt.encode(tt.decode(run), add_special_tokens=False))
+                run.clear()
+
+        for i, t in enumerate(target_ids):
+            if t in t_special:
+                flush()
+                if i == 0 and t == bos:
+                    continue
+                d = d_special_by_content.get(self.mapping.target_tokens.pieces[t])
+                if d is not None:
+                    out.append(d)
+            else:
+                run.append(t)
+        flush()
+        return out
+
+    # ------------------------------------------------------------------ per generation
+
+    def begin(self, state) -> None:
+        run = state.run
+        params = state.params
+        mode = resolve_mode(self.mode, params)
+        run.extra["vocab"] = {"mode": mode, "intersection": self.mapping.intersection_size,
+                              "draft_vocab": self.mapping.draft_vocab_size,
+                              "target_vocab": self.mapping.target_vocab_size}
+        prompt = state.tokens[:run.prompt_len]
+        own = self.prompt_tokens(prompt)
+        limit = self.model.config.max_position_embeddings
+        if len(own) > limit:
+            raise ValueError(f"the prompt is {len(own)} tokens in the draft's vocabulary, beyond the draft's "
+                             f"max_position_embeddings={limit}; shorten the prompt")
+        text = _DraftText(own=own, n_prompt=len(own), synced=len(prompt))
+        text.add_boundary(0)
+        max_new = run.capacity - run.prompt_len
+        capacity = min(limit, len(own) + 2 * max_new + run.num_speculative_tokens + 8)
+        cache = self.model.new_cache(capacity, batch_size=1)
+        if len(own) > 1:
+            prefill(self.model, cache, own[:-1], run.device)
+            run.draft_forwards += 1
+        text.fed = own[:-1] if own else []
+        sc = state.scratch(self)
+        sc.update(cache=cache, text=text, mode=mode)
+        # Fold in anything committed past the prompt (nothing, normally).
+        self._sync(text, state.tokens)
+
+    # ------------------------------------------------------------------ keeping the draft's tokens in step
+
+    def _sync(self, text: _DraftText, tokens: list[int]) -> None:
+        new = tokens[text.synced:]
+        text.synced = len(tokens)
+        if not new:
+            return
+        tpieces = self.mapping.target_tokens.pieces
+        dpieces = self.mapping.draft_tokens.pieces
+        pieces = [tpieces[t] if t < len(tpieces) else b"" for t in new]
+        data = b"".join(pieces)
+        base = len(text.committed)
+        text.committed += data
+
+        # 1) The draft's own proposals that the target kept (byte for byte) stay as they are.
+        pos = 0
+        for d in text.proposals:
+            b = dpieces[d] if d < len(dpieces) else b""
+            if not b or not data.startswith(b, pos):
+                break
+            text.own.append(d)
+            pos += len(b)
+            text.add_boundary(base + pos)
+        text.proposals = []
+        if pos == len(data):
+            return
+
+        # 2) The rest, token for token through the table, when it starts on a target token boundary.
+        starts, acc = {}, 0
+        for j, b in enumerate(pieces):
+            starts[acc] = j
+            acc += len(b)
+        j = starts.get(pos)
+        if j is not None:
+            mapped = [self._t2d[t] if t < len(self._t2d) else -1 for t in new[j:]]
+            if all(m >= 0 for m in mapped):
+                for t, m in zip(new[j:], mapped):
+                    text.own.append(m)
+                    pos += len(tpieces[t])
+                    text.add_boundary(base + pos)
+                return
+
+        # 3) Re-tokenize with the draft's tokenizer from a safe boundary a few tokens back.
+        k = len(text.safe_idx) - 1
+        while k > 0 and text.safe_idx[k] > len(text.own) - DRAFT_LOOKBEHIND:
+            k -= 1
+        idx, off = text.safe_idx[k], text.safe_off[k]
+        del text.safe_idx[k + 1:], text.safe_off[k + 1:]
+        del text.own[idx:]
+        ids, consumed, exact = self.encoder.encode(bytes(text.committed[off:]), final=True)
+        if exact:
+            for d in ids:
+                text.own.append(d)
+                off += len(dpieces[d])
+                text.add_boundary(off)
+        else:  # the draft cannot spell this text (e.g. a word-level vocabulary): only the end is a boundary
+            text.own.extend(ids)
+            text.add_boundary(len(text.committed))
+
+    def _room(self, state, sc, need: int) -> int:
+        """Make the draft cache hold ``need`` positions if the model allows; returns the positions available."""
+        cache = sc["cache"]
+        if need <= cache.capacity:
+            return cache.capacity
+        limit = self.model.config.max_position_embeddings
+        if cache.capacity >= limit:
+            return cache.capacity
+        bigger = self.model.new_cache(min(limit, max(need, 2 * cache.capacity)), batch_size=1)
+        fed = sc["text"].fed[:cache.length]
+        prefill(self.model, bigger, fed, state.run.device)
+        if fed:
+            state.run.draft_forwards += 1
+        sc["cache"] = bigger
+        return bigger.capacity
+
+    # ------------------------------------------------------------------ one draft
+
+    def run(self, state) -> None:
+        run = state.run
+        device = run.device
+        sc = state.scratch(self)
+        text: _DraftText = sc["text"]
+        self._sync(text, state.tokens)
+        k = state.num_draft
+        own = text.own
+        if k <= 0 or not own:
+            state.draft_own_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
+            state.draft_own_probs = None
+            return
+
+        cache = sc["cache"]
+        common = 0
+        fed = text.fed
+        limit = min(len(fed), len(own) - 1, cache.length)
+        while common < limit and fed[common] == own[common]:
+            common += 1
+        cache.truncate(common)
+        del fed[common:]
+        capacity = self._room(state, sc, len(own) + k)
+        cache = sc["cache"]
+        k = min(k, capacity - len(own) + 1)
+        if k <= 0:
+            state.draft_own_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
+            state.draft_own_probs = None
+            return
+
+        params = state.params
+        tli = sc["mode"] == "tli"
+        d2t = self.mapping.tables_on(device)[0]
+        spellable = self._spellable_on.get(str(device))
+        if spellable is None:
+            spellable = self._spellable_on.setdefault(str(device), self._spellable.to(device))
+        vd = self.mapping.draft_vocab_size
+        new = torch.tensor([own[common:]], dtype=torch.int64, device=device)
+        fed.extend(own[common:])
+        picks: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.model.step(new, cache, logits_for="last")[:, -1, :vd]  # [1, Vd] fp32
+            run.draft_forwards += 1
+            logits = vocab_mask_logits(logits, d2t if tli else spellable)
+            if params.greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                q = warp_logits(logits, params.temperature, params.top_k, params.top_p)
+                tok = sample(q, exponential_noise(q.shape, state.generator, q.device))
+                probs.append(q)
+            picks.append(tok)
+            new = tok.view(1, 1)
+        ids = torch.stack(picks, dim=1)  # [1, k] draft ids
+        proposals = ids[0].tolist()
+        fed.extend(proposals[:-1])
+        if not tli:
+            for i, d in enumerate(proposals):
+                if d in self._draft_special:
+                    proposals = proposals[:i]
+                    ids = ids[:, :i]
+                    break
+        text.proposals = proposals
+        state.draft_own_ids = ids
+        state.draft_own_probs = torch.stack(probs, dim=1) if probs else None  # [1, k, Vd]
+
+
+class VocabMap(Stage):
+    """Move the draft's proposals into the target's vocabulary (TLI: ids and q; SLEM: re-tokenized text)."""
+
+    reads = ("tokens", "num_draft") + DRAFT_OWN_FIELDS
+    writes = ("draft_ids", "draft_probs")
+
+    def __init__(self, drafter: CrossVocabDrafter, name: str = "map"):
+        super().__init__(name)
+        self.drafter = drafter
+        self.mapping = drafter.mapping
+        self.encoder = ByteEncoder(drafter.target_tokenizer, self.mapping.target_tokens)
+        self._target_special = self.mapping.target_tokens.special_ids()
+
+    def check(self, params) -> None:
+        check_mode(self.drafter.mode, params)
+
+    def run(self, state) -> None:
+        mode = state.scratch(self.drafter)["mode"]
+        own_ids = state.draft_own_ids
+        device = own_ids.device
+        if own_ids.shape[1] == 0:
+            state.draft_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
+            state.draft_probs = None
+            return
+        if mode == "tli":
+            d2t = self.mapping.tables_on(device)[0]
+            state.draft_ids = d2t[own_ids]  # the draft sampled inside the intersection: every id maps
+            q = state.draft_own_probs
+            if q is None:
+                state.draft_probs = None
+            else:
+                k, vd = q.shape[1], q.shape[2]
+                state.draft_probs = vocab_map(q.view(k, vd), d2t, self.mapping.target_vocab_size).view(1, k, -1)
+            return
+        state.draft_ids = torch.tensor([self.retokenize(state.tokens, own_ids[0].tolist(), state.num_draft)],
+                                       dtype=torch.int64, device=device).view(1, -1)
+        state.draft_probs = None
+
+    def retokenize(self, committed: list[int], own_ids: list[int], limit: int) -> list[int]:
+        """SLEM: the target's tokens for the draft's text, continuing ``committed`` (at most ``limit``)."""
+        text = self.mapping.draft_tokens.join(own_ids)
+        if not text or limit <= 0:
+            return []
+        tpieces = self.mapping.target_tokens.pieces
+        window = committed[-TARGET_LOOKBEHIND:]
+        for i in range(len(window) - 1, -1, -1):
+            if window[i] in self._target_special or window[i] >= len(tpieces):
+                window = window[i + 1:]
+                break
+        vt = self.mapping.target_vocab_size
+        for w in range(len(window), -1, -1):
+            ctx = window[len(window) - w:]
+            ids, _, _ = self.encoder.encode(b"".join(tpieces[t] for t in ctx) + text, final=False)
+            if ids[:w] == ctx:
+                out = []
+                for t in ids[w:w + limit]:
+                    if t >= vt:
+                        break
+                    out.append(t)
+                return out
+        return []
+
+
+def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True) -> tuple[CrossVocabDrafter, VocabMap]:
+    """The draft and map stages for a target and draft with different tokenizers.
+
+    Builds (or loads from the cache) the vocabulary tables; an empty intersection is a
+    ValueError, a small one a warning.
+    """
+    if mode not in VOCAB_MODES:
+        raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MODES}")
+    tt, dt = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    if tt is None or dt is None:
+        which = "the target" if tt is None else "the draft"
+        raise ValueError(f"cross-vocabulary drafting needs both tokenizers, but {which} has none")
+    mapping = build_vocab_mapping(dt, tt, draft_vocab_size=draft.config.vocab_size,
+                                  target_vocab_size=target.config.vocab_size, cache=cache)
+    drafter = CrossVocabDrafter(draft, mapping, tt, mode)
+    return drafter, VocabMap(drafter)
