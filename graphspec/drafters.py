@@ -16,8 +16,9 @@ and ``draft_probs`` (``[1, k, V_target]`` fp32, or None when the draft carries n
   proposes an id the target does not have (embedding tables are often padded differently).
 - ``NgramDrafter`` (prompt lookup): proposes the continuation of the most recent earlier
   occurrence of the last n committed tokens, n = max_ngram .. min_ngram. An index from n-gram to
-  its latest end position is updated with the new tokens only, so a step costs O(new tokens).
-  No model, no probabilities (one-hot q).
+  its latest end position is updated with the new tokens only, so a step costs O(new tokens);
+  the proposal is a slice of the device copy of the committed ids. No model, no probabilities
+  (one-hot q).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ class ModelDrafter(Stage):
 class NgramDrafter(Stage):
     """Prompt-lookup drafting: continue the latest earlier match of the last ``max_ngram..min_ngram`` tokens."""
 
-    reads = ("tokens", "num_draft")
+    reads = ("tokens", "token_buffer", "num_draft")
     writes = DRAFT_WRITES
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "draft"):
@@ -130,6 +131,11 @@ class NgramDrafter(Stage):
 
     def propose(self, tokens: list[int], k: int, scratch: dict) -> list[int]:
         """The continuation (at most k ids) of the latest earlier occurrence of the longest matching suffix."""
+        start, n = self._match(tokens, k, scratch)
+        return tokens[start:start + n]
+
+    def _match(self, tokens: list[int], k: int, scratch: dict) -> tuple[int, int]:
+        """Where the proposal starts in ``tokens`` and how long it is (0: nothing to propose)."""
         L = len(tokens)
         index = scratch["index"]
         # Index every n-gram ending at or before L - 1: the suffix itself (ending at L) must not
@@ -141,14 +147,15 @@ class NgramDrafter(Stage):
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             e = index[n].get(tuple(tokens[L - n:]))
             if e is not None:
-                return tokens[e:e + k]
-        return []
+                return e, min(k, L - e)
+        return 0, 0
 
     def run(self, state) -> None:
         k = state.num_draft
         if k <= 0:
             _empty_draft(state)
             return
-        cont = self.propose(state.tokens, k, state.scratch(self))
-        state.draft_ids = torch.tensor([cont], dtype=torch.int64, device=state.run.device).view(1, len(cont))
+        start, n = self._match(state.tokens, k, state.scratch(self))
+        # the proposal is a stretch of committed tokens: a view of the device copy, no host->device transfer
+        state.draft_ids = state.token_buffer[start:start + n].view(1, n)
         state.draft_probs = None
