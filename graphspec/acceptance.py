@@ -37,6 +37,8 @@ def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> torch
     """``emitted [B, k+1]``: drafts while they equal the target's argmax, then the target's own token, then -1."""
     best = target_logits.argmax(dim=-1)  # [B, k+1]
     k = draft_ids.shape[1]
+    if k == 0:  # plain decoding: nothing to compare
+        return best
     m = (draft_ids == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1, keepdim=True)  # [B, 1]
     pos = torch.arange(k + 1, device=best.device)
     # where the drafts match, best already equals them, so keeping best[:, :m+1] is "drafts + target token"

@@ -90,6 +90,7 @@ class Graph:
         self.inputs: tuple[str, ...] = _names(inputs, "graph inputs")
         self.outputs: tuple[str, ...] = _names(outputs, "graph outputs")
         self._validate()
+        self._written = tuple(dict.fromkeys(f for s in self.stages for f in s.writes))
 
     # ------------------------------------------------------------------ validation
 
@@ -126,10 +127,7 @@ class Graph:
     @property
     def written(self) -> tuple[str, ...]:
         """Every field some stage writes, in first-write order."""
-        out: list[str] = []
-        for s in self.stages:
-            out.extend(f for f in s.writes if f not in out)
-        return tuple(out)
+        return self._written
 
     def __iter__(self) -> Iterator[Stage]:
         return iter(self.stages)

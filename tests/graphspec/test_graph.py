@@ -157,3 +157,15 @@ def test_a_function_stage_without_fn_or_run_is_an_error():
         s.run(None)
     with pytest.raises(ValueError, match="non-empty name"):
         Stage("")
+
+
+def test_sync_timing_synchronises_around_every_stage(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    pipe = graphspec.Pipeline(ToyLM(), draft="ngram", num_speculative_tokens=2, sync_timing=True)
+    out = pipe.run([1, 2, 3], max_new_tokens=6)
+    # per step: once before the first stage, once after each of the 3 stages, twice around the step's clock
+    assert len(calls) >= out.stats.steps * 4
+    calls.clear()
+    graphspec.Pipeline(ToyLM(), draft="ngram").run([1, 2, 3], max_new_tokens=6)
+    assert calls == []  # off by default on a CPU model
