@@ -68,7 +68,7 @@ def test_describe_and_dot_list_stages_and_fields():
     pipe = graphspec.Pipeline(ToyLM(), draft="ngram", num_speculative_tokens=3)
     text = str(pipe.graph)
     assert text.splitlines()[0] == "Graph: draft -> verify -> accept"
-    for needle in ("NgramDrafter", "Verify", "RejectionSampling", "reads tokens, num_draft",
+    for needle in ("NgramDrafter", "Verify", "RejectionSampling", "reads tokens, token_buffer, num_draft",
                    "writes draft_ids, draft_probs", "writes target_logits", "writes emitted"):
         assert needle in text, needle
     dot = pipe.graph.to_dot()
