@@ -1,7 +1,7 @@
 """Logit warping (temperature, top-k, top-p) and host-sync-free sampling.
 
 - ``warp_logits(logits[N, V], temperature, top_k, top_p) -> probs[N, V] fp32``:
-  ``z = logits / temperature``; keep the tokens with ``z >= threshold`` where the threshold is
+  ``z = logits * (1 / temperature)`` (the reciprocal rounded to fp32 once); keep the tokens with ``z >= threshold`` where the threshold is
   * top-k: the k-th largest z (ties with it are kept; k = 0 or k >= V switches it off), then
   * top-p: among the top-k survivors, the largest z value ``t`` such that the renormalised mass of
     ``{z >= t}`` is at least top_p (the smallest most-probable set reaching top_p, ties kept);
@@ -15,8 +15,9 @@
   top-k / top-p thresholds are found by bisection over the 32-bit ordered integer image of z
   (at most 32 counting / mass passes each, exact: the result is an actual z value), then one pass
   writes the renormalised probabilities.
-- Divisions that decide a discrete outcome use IEEE round-to-nearest (``tl.div_rn``), matching torch
-  bit for bit, so the same noise gives the same token on both backends.
+- Arithmetic that decides a discrete outcome is bit-identical in both backends: the temperature is
+  one fp32 multiply, the race divides with IEEE round-to-nearest (``tl.div_rn``, as torch does), so
+  the same noise gives the same token on both backends.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def _validate_sample(probs, noise):
         raise ValueError("probs has an empty vocabulary axis (shape [N, 0])")
 
 
+def _inv_temperature(temperature: float) -> float:
+    """1 / temperature rounded to fp32 once: both backends then scale by one exact fp32 multiply
+    (torch on CUDA turns a division by a scalar into such a multiply anyway), so z is bit-identical."""
+    return (torch.tensor(1.0) / torch.tensor(temperature, dtype=torch.float32)).item()
+
+
 # ----------------------------------------------------------------------------- torch references
 
 def warp_logits_ref(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -81,7 +88,7 @@ def warp_logits_ref(logits: torch.Tensor, temperature: float, top_k: int = 0, to
         if N:
             out.scatter_(1, torch.argmax(x, dim=-1, keepdim=True), 1.0)
         return out
-    z = x / temperature
+    z = x * _inv_temperature(temperature)
     if N == 0:
         return z.clone()
     zs, _ = torch.sort(z, dim=-1, descending=True)
@@ -145,10 +152,10 @@ def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- Triton kernels
 
 @triton.jit
-def _scaled_tile(l_row, stride_lv, idx, mask, temperature):
+def _scaled_tile(l_row, stride_lv, idx, mask, inv_temperature):
     x = tl.load(l_row + idx * stride_lv, mask=mask, other=0.0).to(tl.float32)
     # + 0.0 turns -0.0 into +0.0 so that equal values get equal ordered keys
-    return tl.div_rn(x, temperature) + 0.0
+    return x * inv_temperature + 0.0
 
 
 @triton.jit
@@ -159,20 +166,20 @@ def _ordered_key(z):
 
 
 @triton.jit
-def _mass_at_or_above(l_row, stride_lv, V, temperature, zmax, key_thr, BLOCK_V: tl.constexpr):
+def _mass_at_or_above(l_row, stride_lv, V, inv_temperature, zmax, key_thr, BLOCK_V: tl.constexpr):
     """Sum of exp(z - zmax) over the tokens whose key is >= key_thr (unnormalised probability mass)."""
     mass = 0.0
     for start in range(0, V, BLOCK_V):
         idx = start + tl.arange(0, BLOCK_V)
         mask = idx < V
-        z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+        z = _scaled_tile(l_row, stride_lv, idx, mask, inv_temperature)
         keep = (_ordered_key(z) >= key_thr) & mask
         mass += tl.sum(tl.where(keep, tl.exp(z - zmax), 0.0), 0)
     return mass
 
 
 @triton.jit
-def _search_threshold(l_row, stride_lv, V, temperature, zmax, lo, hi, target,
+def _search_threshold(l_row, stride_lv, V, inv_temperature, zmax, lo, hi, target,
                       USE_MASS: tl.constexpr, BLOCK_V: tl.constexpr, NPROBE: tl.constexpr):
     """Largest key in [lo, hi) whose count (or mass) of tokens at or above it is still >= target.
 
@@ -188,7 +195,7 @@ def _search_threshold(l_row, stride_lv, V, temperature, zmax, lo, hi, target,
         for start in range(0, V, BLOCK_V):
             idx = start + tl.arange(0, BLOCK_V)
             mask = idx < V
-            z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+            z = _scaled_tile(l_row, stride_lv, idx, mask, inv_temperature)
             above = (_ordered_key(z)[:, None] >= probes[None, :]) & mask[:, None]  # [BLOCK_V, NPROBE]
             if USE_MASS:
                 acc += tl.sum(tl.where(above, tl.exp(z - zmax)[:, None], 0.0), 0)
@@ -206,7 +213,7 @@ def _search_threshold(l_row, stride_lv, V, temperature, zmax, lo, hi, target,
 def _warp_kernel(
     logits_ptr, out_ptr,  # [N, V] (fp32/bf16/fp16), [N, V] fp32
     stride_ln, stride_lv, stride_on, stride_ov,
-    V, temperature, top_k, top_p,
+    V, inv_temperature, top_k, top_p,
     GREEDY: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK_V: tl.constexpr, NPROBE: tl.constexpr,
 ):
     """One row: thresholds by a multi-probe bisection over ordered keys (no sort), then the renormalised write.
@@ -238,23 +245,23 @@ def _warp_kernel(
         for start in range(0, V, BLOCK_V):
             idx = start + offs
             mask = idx < V
-            z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+            z = _scaled_tile(l_row, stride_lv, idx, mask, inv_temperature)
             zmax = tl.maximum(zmax, tl.max(tl.where(mask, z, float("-inf")), 0))
             zmin = tl.minimum(zmin, tl.min(tl.where(mask, z, float("inf")), 0))
         key_top = _ordered_key(zmax).to(tl.int64) + 1  # nothing lies at or above it
         thr = _ordered_key(zmin).to(tl.int64)  # everything lies at or above it
         if (top_k > 0) & (top_k < V):
-            thr = _search_threshold(l_row, stride_lv, V, temperature, zmax, thr, key_top, top_k,
+            thr = _search_threshold(l_row, stride_lv, V, inv_temperature, zmax, thr, key_top, top_k,
                                     False, SEARCH_BLOCK_V, NPROBE)
         if top_p < 1.0:
-            target = top_p * _mass_at_or_above(l_row, stride_lv, V, temperature, zmax, thr, BLOCK_V)
-            thr = _search_threshold(l_row, stride_lv, V, temperature, zmax, thr, key_top, target,
+            target = top_p * _mass_at_or_above(l_row, stride_lv, V, inv_temperature, zmax, thr, BLOCK_V)
+            thr = _search_threshold(l_row, stride_lv, V, inv_temperature, zmax, thr, key_top, target,
                                     True, SEARCH_BLOCK_V, NPROBE)
-        total = _mass_at_or_above(l_row, stride_lv, V, temperature, zmax, thr, BLOCK_V)
+        total = _mass_at_or_above(l_row, stride_lv, V, inv_temperature, zmax, thr, BLOCK_V)
         for start in range(0, V, BLOCK_V):
             idx = start + offs
             mask = idx < V
-            z = _scaled_tile(l_row, stride_lv, idx, mask, temperature)
+            z = _scaled_tile(l_row, stride_lv, idx, mask, inv_temperature)
             keep = _ordered_key(z) >= thr
             tl.store(o_row + idx * stride_ov, tl.where(keep, tl.exp(z - zmax) / total, 0.0), mask=mask)
 
@@ -305,7 +312,7 @@ def _warp_logits_triton(logits, temperature, top_k, top_p):
     _warp_kernel[(N,)](
         logits, out, *logits.stride(), *out.stride(), V,
         # top_k travels as a float (exact below 2^24) so that k == 1 is not specialised into a constant
-        1.0 if greedy else temperature, float(top_k), top_p,
+        1.0 if greedy else _inv_temperature(temperature), float(top_k), top_p,
         GREEDY=greedy, BLOCK_V=_block_v(V), SEARCH_BLOCK_V=_block_v(V, search=True), NPROBE=_NPROBE, num_warps=8,
     )
     return out

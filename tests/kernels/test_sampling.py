@@ -188,7 +188,7 @@ def _sm90_specs():
         for greedy in (False, True):
             specs.append((f"warp {dt} greedy={greedy}", mod._warp_kernel,
                           {"logits_ptr": "*" + dt, "out_ptr": "*fp32", "stride_ln": "i32", "stride_lv": "i32",
-                           "stride_on": "i32", "stride_ov": "i32", "V": "i32", "temperature": "fp32",
+                           "stride_on": "i32", "stride_ov": "i32", "V": "i32", "inv_temperature": "fp32",
                            "top_k": "fp32", "top_p": "fp32", "GREEDY": "constexpr", "BLOCK_V": "constexpr",
                            "SEARCH_BLOCK_V": "constexpr", "NPROBE": "constexpr"},
                           {"GREEDY": greedy, "BLOCK_V": 4096, "SEARCH_BLOCK_V": 512, "NPROBE": mod._NPROBE},
