@@ -154,7 +154,13 @@ class TokenTable:
         return len(self.pieces)
 
     def canonical(self) -> dict[bytes, int]:
-        """bytes -> the one id that represents them (plain token before fallback, then lowest id)."""
+        """bytes -> the one id that represents them (plain token before fallback, then lowest id).
+
+        Computed once per table (a few hundred ms for a 150k vocabulary) and shared; do not mutate.
+        """
+        cached = self.__dict__.get("_canonical")
+        if cached is not None:
+            return cached
         out: dict[bytes, int] = {}
         fallback_held: set[bytes] = set()
         for i, (b, f) in enumerate(zip(self.pieces, self.flags.tolist())):
@@ -167,6 +173,7 @@ class TokenTable:
             elif b in fallback_held and f != _FALLBACK:
                 out[b] = i
                 fallback_held.discard(b)
+        self.__dict__["_canonical"] = out
         return out
 
     def special_ids(self) -> set[int]:
@@ -458,8 +465,22 @@ class ByteEncoder:
     def __init__(self, tokenizer, table: TokenTable, max_piece: int = 64):
         self._tokenizer = tokenizer
         self._table = table
-        self._by_bytes = table.canonical()
-        self._max_piece = min(max_piece, max((len(b) for b in self._by_bytes), default=1))
+        self._max_piece_limit = max_piece
+        self._lookup: tuple[dict[bytes, int], int] | None = None  # built on first use
+
+    @property
+    def _by_bytes(self) -> dict[bytes, int]:
+        return self._tables()[0]
+
+    @property
+    def _max_piece(self) -> int:
+        return self._tables()[1]
+
+    def _tables(self) -> tuple[dict[bytes, int], int]:
+        if self._lookup is None:
+            by_bytes = self._table.canonical()
+            self._lookup = (by_bytes, min(self._max_piece_limit, max((len(b) for b in by_bytes), default=1)))
+        return self._lookup
 
     def _tokenizer_encode(self, text: str) -> list[int]:
         backend = _backend(self._tokenizer)
@@ -467,9 +488,9 @@ class ByteEncoder:
 
     def _greedy(self, data: bytes) -> list[int] | None:
         out, pos, n = [], 0, len(data)
-        by_bytes = self._by_bytes
+        by_bytes, max_piece = self._tables()
         while pos < n:
-            for length in range(min(self._max_piece, n - pos), 0, -1):
+            for length in range(min(max_piece, n - pos), 0, -1):
                 i = by_bytes.get(data[pos:pos + length])
                 if i is not None:
                     out.append(i)
