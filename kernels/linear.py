@@ -14,7 +14,13 @@
 - fp32 inputs use ``input_precision="ieee"`` (no TF32: fp32 models are the accuracy
   reference); bf16/fp16 feed tensor cores directly. Under the interpreter bf16 operands
   are upcast first, because its bf16 ``dot`` is wrong.
-- The torch path is ``torch.nn.functional.linear``.
+- The torch path is ``torch.nn.functional.linear``, except for weights made by
+  ``prepare_weight``: on a CPU with oneDNN, fp32 and bf16 weights are reordered once, at load,
+  into oneDNN's blocked layout and run by ``torch.ops.mkldnn._linear_pointwise``. Measured on
+  the 2-core AVX-512 machines (perf/RESULTS.md): ``F.linear`` re-packs the weight on every
+  call, which for fp32 makes 2..8 rows cost ~2x one row; the pre-packed product is nearly
+  flat in M (a speculative verify of K+1 rows then costs about one decode step), and bf16
+  gains too. ``prepare_weight`` is a no-op on CUDA and wherever Triton is requested.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import triton.language as tl
 
 from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, interpreter_enabled, use_triton
 
-__all__ = ["linear", "linear_ref"]
+__all__ = ["PackedWeight", "linear", "linear_ref", "prepare_weight"]
 
 SKINNY_MAX_M = 16
 """Rows up to this count take the skinny (memory-bound) kernel; tl.dot needs 16 rows anyway."""
@@ -290,20 +296,89 @@ def _linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y.reshape(out_shape)
 
 
+class PackedWeight:
+    """A ``[N, K]`` weight reordered into oneDNN's blocked layout for the CPU torch path.
+
+    Made by :func:`prepare_weight`; ``linear`` accepts it wherever it accepts a weight tensor.
+    The original tensor is not kept (it would double the memory of a model); ``dense()``
+    rebuilds it (a copy, for tests and for the rare caller that needs plain values).
+    """
+
+    __slots__ = ("packed", "shape", "dtype", "device")
+
+    def __init__(self, packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
+        self.packed = packed  # opaque mkldnn tensor
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.device = torch.device("cpu")
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def dense(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def __repr__(self) -> str:
+        return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    if weight.is_cuda or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    if weight.dtype == torch.bfloat16:
+        # Without AVX-512 BF16 (or AMX) oneDNN emulates bf16 and loses to F.linear.
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False  # fp16 needs AVX512-FP16 / AVX-NE-CONVERT; F.linear it is
+
+
+def prepare_weight(weight: torch.Tensor, rows_hint: int = 1):
+    """The layout ``linear`` runs fastest with on ``weight``'s device; call once, at load time.
+
+    CPU (torch path, oneDNN available, fp32 or bf16 with hardware bf16): a :class:`PackedWeight`.
+    Everywhere else (CUDA, the Triton backend, fp16 on CPU): ``weight`` itself, unchanged.
+    ``rows_hint`` is the typical number of rows ``x`` will have (oneDNN picks its blocking
+    from it).
+    """
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    if use_triton(weight) or not _can_pack(weight) or weight.numel() == 0:
+        return weight
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
+    return PackedWeight(packed, weight.shape, weight.dtype)
+
+
+def _linear_packed(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    # oneDNN reads the bias as contiguous whatever its strides (measured: wrong values otherwise).
+    b = bias.contiguous() if bias is not None else None
+    y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, b, "none", [], "")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Torch path and test oracle: ``torch.nn.functional.linear``."""
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y[..., N] = x[..., K] @ weight[N, K]^T (+ bias[N])``, accumulated in fp32, returned in x.dtype.
 
     x, weight and bias share one float dtype (fp32/bf16/fp16) and one device; any strides.
+    ``weight`` may also be what :func:`prepare_weight` returned for it.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dimension ([..., K]), got a 0-d tensor")
-    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    packed = isinstance(weight, PackedWeight)
+    if not packed:
+        check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    elif x.device != weight.device:
+        raise ValueError(f"weight is a CPU PackedWeight but x is on {x.device}; prepare weights on x's device")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight has dtype {weight.dtype} but x has dtype {x.dtype}; load the model in one dtype")
     if weight.shape[1] != x.shape[-1]:
@@ -315,6 +390,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"bias has dtype {bias.dtype} but x has dtype {x.dtype}; load the model in one dtype")
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias has {bias.shape[0]} elements but weight has N={weight.shape[0]} rows")
+    if packed:
+        if use_triton(x):
+            raise ValueError("weight is a PackedWeight (oneDNN layout for the CPU torch path) but the Triton "
+                             "backend is requested; load the model with backend='triton' (weights stay plain) "
+                             "or use backend='torch'")
+        return _linear_packed(x, weight, bias)
     if use_triton(x):
         return _linear_triton(x, weight, bias)
     return linear_ref(x, weight, bias)

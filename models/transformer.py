@@ -6,7 +6,10 @@
 - Each layer reads like the paper: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``. The
   residual add is fused into the following RMSNorm (``rmsnorm(..., residual=h)``).
 - Weights are fused at load time: q/k/v into one ``wqkv`` and gate/up into one ``w13``, so a
-  layer runs four GEMMs; biases (Qwen2's q/k/v) are fused the same way.
+  layer runs four GEMMs; biases (Qwen2's q/k/v) are fused the same way. Each GEMM weight (and
+  the lm_head) then goes through ``kernels.linear.prepare_weight`` once: the kernels side picks
+  the layout its ``linear`` runs fastest with (oneDNN-packed on CPU, unchanged on CUDA), so this
+  file never knows which it got.
 - RoPE: HF rotate-half convention, cos/sin from ``positions * inv_freq`` in fp32.
 - Only the rows asked for (``logits_for``) go through the final norm and the lm_head: a
   prefill needs one row, a draft step one row, a verify K+1 rows. Logits come back in fp32.
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 
 from graphspec.kernels._dispatch import use_backend
 from graphspec.kernels.attention import attention
-from graphspec.kernels.linear import linear
+from graphspec.kernels.linear import PackedWeight, linear, prepare_weight
 from graphspec.kernels.rmsnorm import rmsnorm
 from graphspec.kernels.rope import rope, rope_inv_freq
 from graphspec.kernels.silu_mul import silu_mul
@@ -36,13 +39,13 @@ from graphspec.models.kv_cache import KVCache
 @dataclasses.dataclass
 class Layer:
     input_norm: torch.Tensor  # [H]
-    wqkv: torch.Tensor  # [(Hq + 2 Hk) * D, H]
+    wqkv: torch.Tensor | PackedWeight  # [(Hq + 2 Hk) * D, H]
     bqkv: torch.Tensor | None  # [(Hq + 2 Hk) * D]
-    wo: torch.Tensor  # [H, Hq * D]
+    wo: torch.Tensor | PackedWeight  # [H, Hq * D]
     bo: torch.Tensor | None  # [H]
     post_norm: torch.Tensor  # [H]
-    w13: torch.Tensor  # [2 * I, H]: gate rows then up rows
-    w2: torch.Tensor  # [H, I]
+    w13: torch.Tensor | PackedWeight  # [2 * I, H]: gate rows then up rows
+    w2: torch.Tensor | PackedWeight  # [H, I]
 
 
 class Transformer:
@@ -56,12 +59,24 @@ class Transformer:
         self.embed = embed  # [V, H]
         self.layers = layers
         self.norm = norm  # [H]
-        self.lm_head = lm_head  # [V, H]; the very embedding tensor when tie_word_embeddings
+        # [V, H]; with tie_word_embeddings the embedding tensor itself, unless prepared into a copy
+        self.lm_head = lm_head
         self.tokenizer = tokenizer
         self.backend = backend
         inv_freq, self.rope_attention_scaling = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.inv_freq = inv_freq.to(embed.device)  # [D/2] fp32
         self.scale = config.head_dim ** -0.5
+        self._prepare_weights()
+
+    def _prepare_weights(self) -> None:
+        # Under this model's backend: a model pinned to Triton keeps plain tensors.
+        with use_backend(self.backend):
+            for layer in self.layers:
+                layer.wqkv = prepare_weight(layer.wqkv)
+                layer.wo = prepare_weight(layer.wo)
+                layer.w13 = prepare_weight(layer.w13)
+                layer.w2 = prepare_weight(layer.w2)
+            self.lm_head = prepare_weight(self.lm_head)
 
     @property
     def dtype(self) -> torch.dtype:

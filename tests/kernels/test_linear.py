@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from graphspec.kernels import use_backend
-from graphspec.kernels.linear import SKINNY_MAX_M, _choose_split_k, _linear_triton, linear, linear_ref
+from graphspec.kernels.linear import (SKINNY_MAX_M, PackedWeight, _can_pack, _choose_split_k, _linear_triton, linear,
+                                      linear_ref, prepare_weight)
 from tests.kernels._compare import assert_close
 
 # Both paths accumulate exactly-representable products in fp32 and differ only in summation
@@ -117,3 +118,61 @@ def test_skinny_threshold_is_a_tl_dot_size():
 def test_bad_input_raises_value_error_naming_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- prepare_weight: the oneDNN-packed CPU layout --------------------------------------------------------------
+
+needs_pack = pytest.mark.skipif(not _can_pack(torch.zeros(1, 1)), reason="oneDNN is not available in this torch")
+# oneDNN and F.linear accumulate in fp32 in different orders: fp32 ~1e-6 relative; bf16 outputs may
+# round to neighbouring values (1 ulp = 2^-7 relative).
+PACK_DTYPES = [torch.float32] + ([torch.bfloat16] if _can_pack(torch.zeros(1, 1, dtype=torch.bfloat16)) else [])
+
+
+@needs_pack
+@pytest.mark.parametrize("dtype", PACK_DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 33])
+def test_packed_weight_matches_reference(m, dtype):
+    x, w, b = _inputs(m, 130, 423, dtype, bias=(m % 2 == 1))
+    pw = prepare_weight(w)
+    assert isinstance(pw, PackedWeight) and pw.shape == w.shape and pw.dtype == dtype
+    y = linear(x, pw, b)
+    assert y.dtype == dtype and y.shape == (m, 423)
+    assert_close(y, linear_ref(x, w, b), *TOL[dtype], name=f"packed linear m={m} {dtype}")
+    assert torch.equal(pw.dense(), w)  # the layout changes, the values do not
+
+
+@needs_pack
+def test_packed_weight_strided_inputs_and_leading_dims():
+    w = torch.randn(77, 96) / 10
+    pw = prepare_weight(w.t().contiguous().t())  # a column-major weight packs the same
+    x = torch.randn(2, 9, 3, 96)[:, 1:8:2]  # [2, 4, 3, 96], not viewable as 2-D
+    b = torch.randn(154)[::2]  # stride 2: oneDNN itself would read it as contiguous
+    assert_close(linear(x, pw, b), linear_ref(x, w, b), *TOL[torch.float32], name="packed 4-D strided")
+    assert_close(linear(x[0, 0, 0], pw), linear_ref(x[0, 0, 0], w), *TOL[torch.float32], name="packed 1-D")
+    assert linear(torch.randn(0, 96), pw).shape == (0, 77)
+
+
+def test_prepare_weight_leaves_other_layouts_alone():
+    w16 = torch.randn(8, 4).half()
+    if not _can_pack(w16):
+        assert prepare_weight(w16) is w16  # fp16 on a CPU without AVX512-FP16: F.linear
+    w = torch.randn(8, 4)
+    with use_backend("triton"):
+        assert prepare_weight(w) is w  # Triton kernels read plain [N, K] tensors
+    with use_backend("torch"):
+        assert isinstance(prepare_weight(w), PackedWeight) == _can_pack(w)
+
+
+@needs_pack
+def test_packed_weight_refuses_triton_and_bad_shapes():
+    pw = prepare_weight(torch.randn(8, 4))
+    with use_backend("triton"), pytest.raises(ValueError, match="PackedWeight"):
+        linear(torch.randn(2, 4), pw)
+    with pytest.raises(ValueError, match="K must match"):
+        linear(torch.randn(2, 5), pw)
+    with pytest.raises(ValueError, match="dtype"):
+        linear(torch.randn(2, 4).bfloat16(), pw)
+    with pytest.raises(ValueError, match="bias"):
+        linear(torch.randn(2, 4), pw, torch.randn(7))
+    with pytest.raises(ValueError, match="weight"):
+        prepare_weight(torch.randn(8))
