@@ -628,6 +628,8 @@ def _build_sentencepiece_bpe(info: GGUFInfo):
 
     Merges come from the file when it has them, else they are recovered from the token scores:
     every split of a token into two vocabulary pieces is a merge, ranked by the merged token's score.
+    One deliberate difference from transformers: `tokenizer.ggml.add_space_prefix = false` is
+    honoured (no "▁" before the first word), as llama.cpp does; transformers always prepends.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

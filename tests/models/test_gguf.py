@@ -509,6 +509,18 @@ def test_real_tokenizer_matches_transformers(real_model):
     assert cfg["chat_template"] == ref.chat_template
     assert cfg["eos_token"] == ref.eos_token
 
+    try:
+        from graphspec.models.tokenizer import Tokenizer as GraphspecTokenizer
+    except ImportError as e:
+        pytest.skip(f"graphspec.models.tokenizer is not available yet ({e})")
+    ours_gs = GraphspecTokenizer.from_dir(out)
+    for text in REAL_TEXTS:
+        assert ours_gs.encode(text) == ref(text)["input_ids"], text
+    messages = [{"role": "user", "content": "Write a haiku about GGUF."}]
+    assert ours_gs.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
 
 @pytest.mark.slow
 def test_real_logits_match_transformers(real_model):
