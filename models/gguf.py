@@ -142,13 +142,13 @@ def read_gguf_metadata(path: str | os.PathLike) -> GGUFInfo:
         )
     version = struct.unpack("<I", head[4:8])[0]
     if version not in _SUPPORTED_GGUF_VERSIONS:
-        swapped = struct.unpack(">I", head[4:8])[0]  # big-endian files store the version swapped
-        if swapped not in _SUPPORTED_GGUF_VERSIONS:
-            raise ValueError(
-                f"{path} is GGUF version {version}, which is not supported (supported: "
-                f"{list(_SUPPORTED_GGUF_VERSIONS)}); re-export it with a recent llama.cpp"
-            )
-        version = swapped
+        if struct.unpack(">I", head[4:8])[0] in _SUPPORTED_GGUF_VERSIONS:
+            # gguf.quants dequantizes little-endian blocks only
+            raise ValueError(f"{path} is a big-endian GGUF file; graphspec converts little-endian GGUF files only")
+        raise ValueError(
+            f"{path} is GGUF version {version}, which is not supported (supported: "
+            f"{list(_SUPPORTED_GGUF_VERSIONS)}); re-export it with a recent llama.cpp"
+        )
 
     try:
         reader = gguf.GGUFReader(path, "r")

@@ -405,6 +405,9 @@ def test_unsupported_gguf_version(tmp_path):
     out_parent = tmp_path / "out"
     out_parent.mkdir()
     _assert_fails_cleanly(bad, out_parent, "version 1")
+    big = tmp_path / "big.gguf"
+    big.write_bytes(b"GGUF" + (3).to_bytes(4, "big") + b"\0" * 64)
+    _assert_fails_cleanly(big, out_parent, "big-endian")
 
 
 @pytest.mark.parametrize("keep", [0.02, 0.5, 0.999])
