@@ -235,6 +235,10 @@ def _work_dir(name: str) -> Iterator[Path]:
         yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        try:
+            tmp_root.rmdir()
+        except OSError:  # not empty or already gone: nothing to tidy
+            pass
 
 
 def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:

