@@ -1,0 +1,158 @@
+"""Shared helpers for the benchmarks: machine facts, memory bandwidth, step timing, prompts, JSON.
+
+- Bandwidth is measured in the same process as the figure it is compared with (a 512 MiB fp32
+  tensor summed: bytes read / seconds), because the shared 2-core machines drift with load.
+- Times are medians of repeated runs; the minimum is kept too (the least-disturbed run).
+- ``step_weight_bytes``: what one decode step must read: every GEMM weight, the lm_head, the
+  norms (the KV cache and activations are small next to them at these lengths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+PERF_DIR = Path(__file__).resolve().parent
+PROMPTS_FILE = PERF_DIR / "prompts.json"
+RESULTS_DIR = PERF_DIR / "results"
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+CROSS_DRAFT = "smollm2-135m-instruct"
+
+
+def machine_info() -> dict:
+    """What the figures were measured on: CPU model, cores, threads, load, versions, date."""
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        info["loadavg"] = list(os.getloadavg())
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+        info["avx512_bf16"] = " avx512_bf16" in flags
+        info["amx_bf16"] = " amx_bf16" in flags
+    except OSError:
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int, warmup: int = 2, device="cpu") -> list[float]:
+    """Seconds per call of ``fn`` over ``reps`` calls (after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def summary(seconds: list[float]) -> dict:
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "reps": len(seconds)}
+
+
+def read_bandwidth(nbytes: int = 512 << 20, reps: int = 7, device="cpu") -> dict:
+    """Memory read bandwidth (GB/s, 1e9 bytes): sum over an fp32 tensor of ``nbytes``."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    s = timed(lambda: x.sum(), reps, warmup=1, device=device)
+    del x
+    return {"gbps_median": nbytes / statistics.median(s) / 1e9, "gbps_best": nbytes / min(s) / 1e9,
+            "bytes": nbytes}
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 7, device="cpu") -> dict:
+    """Copy bandwidth (GB/s counting read + write) of a ``nbytes`` tensor."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    s = timed(lambda: y.copy_(x), reps, warmup=1, device=device)
+    del x, y
+    return {"gbps_median": 2 * nbytes / statistics.median(s) / 1e9, "gbps_best": 2 * nbytes / min(s) / 1e9,
+            "bytes": nbytes}
+
+
+def _weight_nbytes(w) -> int:
+    return w.shape[0] * w.shape[1] * torch.empty(0, dtype=w.dtype).element_size()
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads (GEMM weights, biases, norms, lm_head)."""
+    total = _weight_nbytes(model.lm_head) + model.norm.numel() * model.norm.element_size()
+    for layer in model.layers:
+        for w in (layer.wqkv, layer.wo, layer.w13, layer.w2):
+            total += _weight_nbytes(w)
+        for t in (layer.bqkv, layer.bo, layer.input_norm, layer.post_norm):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def step_times(model, tokens: int, reps: int, context: int = 256, logits_for="all") -> list[float]:
+    """Seconds of ``model.step`` over ``tokens`` new tokens after ``context`` cached ones (cache rolled back)."""
+    cache = model.new_cache(context + tokens + 8)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen).to(model.device)
+    model.step(prompt, cache, logits_for="last")
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen).to(model.device)
+
+    def one():
+        cache.truncate(context)
+        model.step(ids, cache, logits_for=logits_for)
+
+    return timed(one, reps, warmup=2, device=model.device)
+
+
+def load_prompts(kinds: tuple[str, ...] | None = None, limit: int | None = None) -> list[dict]:
+    prompts = json.loads(PROMPTS_FILE.read_text())["prompts"]
+    if kinds is not None:
+        prompts = [p for p in prompts if p["kind"] in kinds]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def save_json(name: str, data: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / name
+    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    return path

@@ -1,0 +1,88 @@
+"""What one target forward costs on this machine: decode step, verify over T tokens, GB/s.
+
+    .venv/bin/python perf/cpu_step.py [--model NAME] [--dtypes bf16 fp32] [--threads 2] [--reps 9]
+
+For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default;
+"plain": the same weights as plain tensors through ``F.linear``) it times ``model.step`` over
+T = 1, 2, 4, 8 new tokens after 256 cached ones and prints the median milliseconds, the ratio
+to the one-token step (the cost of a speculative verify) and the one-token step's achieved
+bandwidth (weight bytes / time) next to the memory read bandwidth measured in the same run.
+Writes perf/results/cpu_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf._common import TARGET, machine_info, read_bandwidth, save_json, step_times, step_weight_bytes  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def unpack(model) -> None:
+    """Swap every prepared weight for a plain tensor (the F.linear path)."""
+    for layer in model.layers:
+        for name in ("wqkv", "wo", "w13", "w2"):
+            w = getattr(layer, name)
+            if hasattr(w, "dense"):
+                setattr(layer, name, w.dense())
+    if hasattr(model.lm_head, "dense"):
+        model.lm_head = model.lm_head.dense()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=TARGET)
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    ap.add_argument("--layouts", nargs="+", default=["packed", "plain"], choices=["packed", "plain"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--out", default="cpu_step.json")
+    args = ap.parse_args(argv)
+
+    from graphspec.models import load_model
+
+    rows = []
+    result = {"machine": machine_info(), "model": args.model, "rows": rows}
+    result["read_bandwidth"] = read_bandwidth()
+    bw = result["read_bandwidth"]["gbps_median"]
+    print(f"# {result['machine'].get('cpu_model')} x{result['machine']['cpu_count']}, load "
+          f"{result['machine'].get('loadavg')}, read bandwidth {bw:.1f} GB/s (median)", flush=True)
+    for dname in args.dtypes:
+        model = load_model(args.model, dtype=DTYPES[dname])
+        nbytes = step_weight_bytes(model)
+        for layout in args.layouts:
+            if layout == "plain":
+                unpack(model)
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                base = None
+                for t in args.tokens:
+                    s = step_times(model, t, args.reps)
+                    med = statistics.median(s)
+                    base = med if t == 1 else base
+                    row = {"dtype": dname, "layout": layout, "threads": threads, "tokens": t,
+                           "median_ms": med * 1e3, "min_ms": min(s) * 1e3,
+                           "ratio_to_1": med / base if base else None,
+                           "gbps": nbytes / med / 1e9, "weight_bytes": nbytes}
+                    row["fraction_of_bandwidth"] = row["gbps"] / bw
+                    rows.append(row)
+                    print(f"{dname:5s} {layout:6s} threads={threads} T={t}: {med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"
+                          f"  x{row['ratio_to_1']:.2f} of T=1  {row['gbps']:5.1f} GB/s = "
+                          f"{100 * row['fraction_of_bandwidth']:.0f}% of read bw", flush=True)
+        del model
+    result["read_bandwidth_after"] = read_bandwidth()
+    path = save_json(args.out, result)
+    print(f"# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

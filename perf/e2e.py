@@ -1,0 +1,311 @@
+"""End to end on real checkpoints: autoregressive vs speculative, graphspec vs transformers, one run.
+
+    .venv/bin/python perf/e2e.py                 # full: 4 prompts x 128 tokens, bf16 and fp32
+    .venv/bin/python perf/e2e.py --short         # 2 prompts (code, chat) x 48 tokens: minutes
+    .venv/bin/python perf/e2e.py --dtypes bf16 --methods ar spec_0.5b --no-hf
+
+Target Qwen2.5-Coder-1.5B-Instruct; drafts: Qwen2.5-Coder-0.5B-Instruct (same vocabulary),
+SmolLM2-135M-Instruct (another tokenizer: graphspec's cross-vocabulary mapping), prompt lookup
+("ngram"). Greedy, every run generates exactly ``--max-new-tokens`` (graphspec: ignore_eos;
+transformers: min_new_tokens), so tokens/s compare like for like. transformers runs plain
+``generate`` and assisted generation (``assistant_model=``; across tokenizers with
+``tokenizer=``/``assistant_tokenizer=``) on the same prompt ids, dtype and thread count, in
+this same process (its models are freed before graphspec's are loaded, to fit in memory).
+
+Reported per method: tokens/s (wall time of the whole call, prefill included), the speedup
+over graphspec's own autoregressive run and over transformers' assisted generation for the
+same draft, acceptance rate, tokens per target forward, and whether the tokens equal the
+autoregressive ones (required in fp32; bf16 reports how many prompts differ). Results:
+perf/results/e2e[-short].json; the acceptance figures also go to perf/acceptance.json (used by
+perf/gpu_check.py to project a GPU speedup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, machine_info, read_bandwidth,  # noqa: E402
+                          save_json, step_weight_bytes)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+METHODS = ("ar", "spec_0.5b", "spec_smollm2", "ngram")
+HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
+# Which transformers run each graphspec method is compared with.
+HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_smollm2": "hf_assist_smollm2", "ngram": "hf_ar"}
+
+
+def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        if "messages" in p:
+            text = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            out.append(tokenizer.encode(p["prompt"]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+
+
+def run_hf(methods, dtype, prompt_ids, max_new_tokens, log) -> dict:
+    import transformers
+    from graphspec.models import zoo
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    dirs = {name: zoo.resolve(name, progress=False) for name in (TARGET, DRAFT, CROSS_DRAFT)}
+
+    def load(name):
+        m = transformers.AutoModelForCausalLM.from_pretrained(dirs[name], dtype=dtype)
+        return m.eval()
+
+    target = load(TARGET)
+    tok_t = transformers.AutoTokenizer.from_pretrained(dirs[TARGET])
+    assistants = {}
+    if "hf_assist_0.5b" in methods:
+        assistants["hf_assist_0.5b"] = (load(DRAFT), {})
+    if "hf_assist_smollm2" in methods:
+        tok_d = transformers.AutoTokenizer.from_pretrained(dirs[CROSS_DRAFT])
+        assistants["hf_assist_smollm2"] = (load(CROSS_DRAFT), {"tokenizer": tok_t, "assistant_tokenizer": tok_d})
+    pad = tok_t.pad_token_id if tok_t.pad_token_id is not None else tok_t.eos_token_id
+    results = {}
+    for method in methods:
+        extra = {}
+        if method != "hf_ar":
+            assistant, kw = assistants[method]
+            extra = {"assistant_model": assistant, **kw}
+
+        def gen(ids, n):
+            x = torch.tensor([ids])
+            with torch.inference_mode():
+                out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=pad, **extra)
+            return out[0, len(ids):].tolist()
+
+        gen(prompt_ids[0][:16], 4)  # warm-up
+        runs = []
+        for ids in prompt_ids:
+            t0 = time.perf_counter()
+            out = gen(ids, max_new_tokens)
+            runs.append({"seconds": time.perf_counter() - t0, "tokens": len(out), "token_ids": out})
+        results[method] = _aggregate(runs)
+        log(f"  {method:18s} {results[method]['tokens_per_second']:6.2f} tok/s")
+    del target, assistants
+    gc.collect()
+    return results
+
+
+# ----------------------------------------------------------------------------------------------- graphspec
+
+
+def run_graphspec(methods, dtype, prompt_ids, max_new_tokens, k_model, k_cross, k_ngram, log) -> tuple[dict, dict]:
+    import graphspec
+    from graphspec.models import load_model
+
+    target = load_model(TARGET, dtype=dtype)
+    drafts = {}
+    if "spec_0.5b" in methods:
+        drafts["spec_0.5b"] = (load_model(DRAFT, dtype=dtype), k_model)
+    if "spec_smollm2" in methods:
+        drafts["spec_smollm2"] = (load_model(CROSS_DRAFT, dtype=dtype), k_cross)
+    if "ngram" in methods:
+        drafts["ngram"] = ("ngram", k_ngram)
+    results = {}
+    for method in methods:
+        if method == "ar":
+            pipe = graphspec.Pipeline(target)
+        else:
+            draft, k = drafts[method]
+            pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=k)
+        pipe.run(prompt_ids[0][:16], max_new_tokens=4, ignore_eos=True)  # warm-up
+        runs = []
+        for ids in prompt_ids:
+            t0 = time.perf_counter()
+            out = pipe.run(ids, max_new_tokens=max_new_tokens, ignore_eos=True)
+            st = out.stats
+            runs.append({"seconds": time.perf_counter() - t0, "tokens": len(out.token_ids),
+                         "token_ids": list(out.token_ids), "steps": st.steps, "proposed": st.proposed,
+                         "accepted": st.accepted, "accepted_per_position": list(st.accepted_per_position),
+                         "proposed_per_position": list(st.proposed_per_position),
+                         "decode_seconds": st.decode_seconds, "prefill_seconds": st.prefill_seconds,
+                         "stage_seconds": dict(st.stage_seconds)})
+        results[method] = _aggregate(runs)
+        if method != "ar":
+            results[method]["num_speculative_tokens"] = drafts[method][1]
+        r = results[method]
+        log(f"  {method:18s} {r['tokens_per_second']:6.2f} tok/s  acceptance {r.get('acceptance_rate', 0):.2f}  "
+            f"{r.get('tokens_per_target_forward', 1):.2f} tokens/forward")
+    info = {"weight_bytes": step_weight_bytes(target)}
+    del target, drafts
+    gc.collect()
+    return results, info
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    seconds = sum(r["seconds"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+           "per_prompt_tokens_per_second": [r["tokens"] / r["seconds"] for r in runs], "runs": runs}
+    if "steps" in runs[0]:
+        steps = sum(r["steps"] for r in runs)
+        proposed = sum(r["proposed"] for r in runs)
+        accepted = sum(r["accepted"] for r in runs)
+        out["steps"] = steps
+        out["acceptance_rate"] = accepted / proposed if proposed else 0.0
+        out["tokens_per_target_forward"] = tokens / steps if steps else 0.0
+        k = max(len(r["accepted_per_position"]) for r in runs)
+        out["accepted_per_position"] = [sum(r["accepted_per_position"][i] for r in runs if i < len(r["accepted_per_position"])) for i in range(k)]
+        out["proposed_per_position"] = [sum(r["proposed_per_position"][i] for r in runs if i < len(r["proposed_per_position"])) for i in range(k)]
+        out["decode_seconds"] = sum(r["decode_seconds"] for r in runs)
+        stages: dict[str, float] = {}
+        for r in runs:
+            for name, s in r["stage_seconds"].items():
+                stages[name] = stages.get(name, 0.0) + s
+        out["stage_seconds"] = stages
+    return out
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(results: dict, weight_bytes: int, bandwidth: float) -> dict:
+    """Ratios, token identity with our autoregressive run, achieved GB/s of the plain step."""
+    summary = {}
+    ar = results.get("ar")
+    hf = {m: results[m] for m in HF_METHODS if m in results}
+    for method in METHODS:
+        if method not in results:
+            continue
+        r = results[method]
+        row = {"tokens_per_second": r["tokens_per_second"]}
+        if ar is not None:
+            row["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
+            diffs = [_first_difference(a["token_ids"], b["token_ids"]) for a, b in zip(ar["runs"], r["runs"])]
+            row["prompts_differing_from_ar"] = sum(d is not None for d in diffs)
+            row["first_difference"] = diffs
+        peer = HF_PEER[method]
+        if peer in hf:
+            row["hf_peer"] = peer
+            row["speedup_vs_hf_peer"] = r["tokens_per_second"] / hf[peer]["tokens_per_second"]
+        if "hf_ar" in hf:
+            row["speedup_vs_hf_ar"] = r["tokens_per_second"] / hf["hf_ar"]["tokens_per_second"]
+        for key in ("acceptance_rate", "tokens_per_target_forward", "num_speculative_tokens"):
+            if key in r:
+                row[key] = r[key]
+        summary[method] = row
+    for method, r in hf.items():
+        row = {"tokens_per_second": r["tokens_per_second"]}
+        if "hf_ar" in hf:
+            row["speedup_vs_hf_ar"] = r["tokens_per_second"] / hf["hf_ar"]["tokens_per_second"]
+        if ar is not None:
+            diffs = [_first_difference(a["token_ids"], b["token_ids"]) for a, b in zip(ar["runs"], r["runs"])]
+            row["prompts_differing_from_graphspec_ar"] = sum(d is not None for d in diffs)
+        summary[method] = row
+    if ar is not None:
+        per_step = ar["decode_seconds"] / ar["steps"]
+        summary["ar"]["step_ms"] = per_step * 1e3
+        summary["ar"]["step_gbps"] = weight_bytes / per_step / 1e9
+        summary["ar"]["step_fraction_of_bandwidth"] = weight_bytes / per_step / 1e9 / bandwidth
+    return summary
+
+
+def write_acceptance(report: dict) -> Path:
+    """perf/acceptance.json: measured acceptance per draft pair and dtype (what gpu_check projects from)."""
+    path = PERF_DIR / "acceptance.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data["note"] = ("Greedy acceptance measured on CPU with real weights by perf/e2e.py (target "
+                    f"{TARGET}); tokens_per_target_forward = generated tokens / target verify forwards.")
+    pairs = data.setdefault("pairs", {})
+    for dname, res in report["dtypes"].items():
+        for method in ("spec_0.5b", "spec_smollm2", "ngram"):
+            r = res["graphspec"].get(method)
+            if r is None:
+                continue
+            pairs[f"{method}/{dname}"] = {
+                "num_speculative_tokens": r["num_speculative_tokens"], "acceptance_rate": r["acceptance_rate"],
+                "tokens_per_target_forward": r["tokens_per_target_forward"],
+                "accepted_per_position": r["accepted_per_position"], "proposed_per_position": r["proposed_per_position"],
+                "prompts": report["num_prompts"], "max_new_tokens": report["max_new_tokens"], "date": report["machine"]["date"]}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", action="store_true", help="2 prompts (code, chat) x 48 tokens")
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--hf-methods", nargs="+", default=list(HF_METHODS), choices=HF_METHODS)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=None, help="use only the first N prompts")
+    ap.add_argument("--k-model", type=int, default=4, help="K for the 0.5B draft")
+    ap.add_argument("--k-cross", type=int, default=5, help="K for the SmolLM2 draft")
+    ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-acceptance-file", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from graphspec.models import zoo
+    from graphspec.models.tokenizer import Tokenizer
+
+    if args.short:
+        prompts = load_prompts(kinds=("code", "chat"), limit=args.prompts or 2)
+        max_new = args.max_new_tokens or 48
+    else:
+        prompts = load_prompts(limit=args.prompts)
+        max_new = args.max_new_tokens or 128
+    tokenizer = Tokenizer.from_dir(zoo.resolve(TARGET, progress=False))
+    prompt_ids = encode_prompts(tokenizer, prompts)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    report = {"machine": machine_info(), "target": TARGET, "num_prompts": len(prompts), "max_new_tokens": max_new,
+              "prompt_kinds": [p["kind"] for p in prompts], "prompt_tokens": [len(p) for p in prompt_ids],
+              "dtypes": {}}
+    report["read_bandwidth"] = read_bandwidth()
+    bw = report["read_bandwidth"]["gbps_median"]
+    log(f"# {report['machine'].get('cpu_model')} x{report['machine']['cpu_count']}, threads "
+        f"{torch.get_num_threads()}, load {report['machine'].get('loadavg')}, read bandwidth {bw:.1f} GB/s; "
+        f"{len(prompts)} prompts x {max_new} tokens")
+    for dname in args.dtypes:
+        dtype = DTYPES[dname]
+        log(f"[{dname}]")
+        hf = {} if args.no_hf else run_hf(args.hf_methods, dtype, prompt_ids, max_new, log)
+        ours, info = run_graphspec(args.methods, dtype, prompt_ids, max_new, args.k_model, args.k_cross,
+                                   args.k_ngram, log)
+        summary = compare({**ours, **hf}, info["weight_bytes"], bw)
+        report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
+        for method, row in summary.items():
+            extras = "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                               if k not in ("tokens_per_second", "first_difference", "hf_peer"))
+            log(f"  = {method:18s} {row['tokens_per_second']:6.2f} tok/s  {extras}")
+    report["machine"]["loadavg_end"] = list(os.getloadavg())
+    path = save_json(args.out or ("e2e-short.json" if args.short else "e2e.json"), report)
+    log(f"# wrote {path}")
+    if not args.no_acceptance_file and not args.short:
+        log(f"# wrote {write_acceptance(report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
