@@ -54,100 +54,117 @@ def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------- transformers
+# ----------------------------------------------------------------------------------------------- runners
+# Each runner loads what its method needs into ``pool`` (a dict the caller owns and clears to free
+# memory: transformers' and graphspec's fp32 models do not fit together next to other work) and
+# returns ``gen(ids, n) -> run dict`` with seconds, tokens, token_ids (and graphspec's stats).
 
 
-def run_hf(methods, dtype, prompt_ids, max_new_tokens, log) -> dict:
+def hf_runner(method: str, dtype, pool: dict):
     import transformers
     from graphspec.models import zoo
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    dirs = {name: zoo.resolve(name, progress=False) for name in (TARGET, DRAFT, CROSS_DRAFT)}
+    def model(name):
+        if ("hf", name) not in pool:
+            d = zoo.resolve(name, progress=False)
+            pool[("hf", name)] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+        return pool[("hf", name)]
 
-    def load(name):
-        m = transformers.AutoModelForCausalLM.from_pretrained(dirs[name], dtype=dtype)
-        return m.eval()
+    def tokenizer(name):
+        if ("hf-tok", name) not in pool:
+            pool[("hf-tok", name)] = transformers.AutoTokenizer.from_pretrained(zoo.resolve(name, progress=False))
+        return pool[("hf-tok", name)]
 
-    target = load(TARGET)
-    tok_t = transformers.AutoTokenizer.from_pretrained(dirs[TARGET])
-    assistants = {}
-    if "hf_assist_0.5b" in methods:
-        assistants["hf_assist_0.5b"] = (load(DRAFT), {})
-    if "hf_assist_smollm2" in methods:
-        tok_d = transformers.AutoTokenizer.from_pretrained(dirs[CROSS_DRAFT])
-        assistants["hf_assist_smollm2"] = (load(CROSS_DRAFT), {"tokenizer": tok_t, "assistant_tokenizer": tok_d})
+    target = model(TARGET)
+    tok_t = tokenizer(TARGET)
+    extra = {}
+    if method == "hf_assist_0.5b":
+        extra = {"assistant_model": model(DRAFT)}
+    elif method == "hf_assist_smollm2":
+        extra = {"assistant_model": model(CROSS_DRAFT), "tokenizer": tok_t, "assistant_tokenizer": tokenizer(CROSS_DRAFT)}
+    elif method != "hf_ar":
+        raise ValueError(f"unknown transformers method {method!r}; one of {HF_METHODS}")
     pad = tok_t.pad_token_id if tok_t.pad_token_id is not None else tok_t.eos_token_id
+
+    def gen(ids, n):
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=pad, **extra)
+        seconds = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        return {"seconds": seconds, "tokens": len(new), "token_ids": new}
+
+    return gen
+
+
+def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None):
+    import graphspec
+    from graphspec.models import load_model
+
+    def model(name):
+        if ("gs", name) not in pool:
+            pool[("gs", name)] = load_model(name, dtype=dtype)
+        return pool[("gs", name)]
+
+    target = model(TARGET)
+    if method == "ar":
+        pipe = graphspec.Pipeline(target)
+    elif method == "spec_0.5b":
+        pipe = graphspec.Pipeline(target, draft=model(DRAFT), num_speculative_tokens=k)
+    elif method == "spec_smollm2":
+        pipe = graphspec.Pipeline(target, draft=model(CROSS_DRAFT), num_speculative_tokens=k)
+    elif method == "ngram":
+        pipe = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k)
+    else:
+        raise ValueError(f"unknown graphspec method {method!r}; one of {METHODS}")
+
+    def gen(ids, n):
+        t0 = time.perf_counter()
+        out = pipe.run(ids, max_new_tokens=n, ignore_eos=True)
+        seconds = time.perf_counter() - t0
+        st = out.stats
+        return {"seconds": seconds, "tokens": len(out.token_ids), "token_ids": list(out.token_ids),
+                "steps": st.steps, "proposed": st.proposed, "accepted": st.accepted,
+                "accepted_per_position": list(st.accepted_per_position),
+                "proposed_per_position": list(st.proposed_per_position), "decode_seconds": st.decode_seconds,
+                "prefill_seconds": st.prefill_seconds, "stage_seconds": dict(st.stage_seconds)}
+
+    return gen
+
+
+def run_method(gen, prompt_ids, max_new_tokens) -> dict:
+    gen(prompt_ids[0][:16], 4)  # warm-up: first-call allocations, oneDNN primitive creation
+    return _aggregate([gen(ids, max_new_tokens) for ids in prompt_ids])
+
+
+def run_hf(methods, dtype, prompt_ids, max_new_tokens, log) -> dict:
+    pool: dict = {}
     results = {}
     for method in methods:
-        extra = {}
-        if method != "hf_ar":
-            assistant, kw = assistants[method]
-            extra = {"assistant_model": assistant, **kw}
-
-        def gen(ids, n):
-            x = torch.tensor([ids])
-            with torch.inference_mode():
-                out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=pad, **extra)
-            return out[0, len(ids):].tolist()
-
-        gen(prompt_ids[0][:16], 4)  # warm-up
-        runs = []
-        for ids in prompt_ids:
-            t0 = time.perf_counter()
-            out = gen(ids, max_new_tokens)
-            runs.append({"seconds": time.perf_counter() - t0, "tokens": len(out), "token_ids": out})
-        results[method] = _aggregate(runs)
+        results[method] = run_method(hf_runner(method, dtype, pool), prompt_ids, max_new_tokens)
         log(f"  {method:18s} {results[method]['tokens_per_second']:6.2f} tok/s")
-    del target, assistants
+    pool.clear()
     gc.collect()
     return results
 
 
-# ----------------------------------------------------------------------------------------------- graphspec
-
-
-def run_graphspec(methods, dtype, prompt_ids, max_new_tokens, k_model, k_cross, k_ngram, log) -> tuple[dict, dict]:
-    import graphspec
-    from graphspec.models import load_model
-
-    target = load_model(TARGET, dtype=dtype)
-    drafts = {}
-    if "spec_0.5b" in methods:
-        drafts["spec_0.5b"] = (load_model(DRAFT, dtype=dtype), k_model)
-    if "spec_smollm2" in methods:
-        drafts["spec_smollm2"] = (load_model(CROSS_DRAFT, dtype=dtype), k_cross)
-    if "ngram" in methods:
-        drafts["ngram"] = ("ngram", k_ngram)
+def run_graphspec(methods, dtype, prompt_ids, max_new_tokens, ks: dict, log) -> tuple[dict, dict]:
+    pool: dict = {}
     results = {}
     for method in methods:
-        if method == "ar":
-            pipe = graphspec.Pipeline(target)
-        else:
-            draft, k = drafts[method]
-            pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=k)
-        pipe.run(prompt_ids[0][:16], max_new_tokens=4, ignore_eos=True)  # warm-up
-        runs = []
-        for ids in prompt_ids:
-            t0 = time.perf_counter()
-            out = pipe.run(ids, max_new_tokens=max_new_tokens, ignore_eos=True)
-            st = out.stats
-            runs.append({"seconds": time.perf_counter() - t0, "tokens": len(out.token_ids),
-                         "token_ids": list(out.token_ids), "steps": st.steps, "proposed": st.proposed,
-                         "accepted": st.accepted, "accepted_per_position": list(st.accepted_per_position),
-                         "proposed_per_position": list(st.proposed_per_position),
-                         "decode_seconds": st.decode_seconds, "prefill_seconds": st.prefill_seconds,
-                         "stage_seconds": dict(st.stage_seconds)})
-        results[method] = _aggregate(runs)
+        r = results[method] = run_method(graphspec_runner(method, dtype, pool, ks.get(method)), prompt_ids,
+                                         max_new_tokens)
         if method != "ar":
-            results[method]["num_speculative_tokens"] = drafts[method][1]
-        r = results[method]
+            r["num_speculative_tokens"] = ks[method]
         log(f"  {method:18s} {r['tokens_per_second']:6.2f} tok/s  acceptance {r.get('acceptance_rate', 0):.2f}  "
             f"{r.get('tokens_per_target_forward', 1):.2f} tokens/forward")
-    info = {"weight_bytes": step_weight_bytes(target)}
-    del target, drafts
+    info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET)])}
+    pool.clear()
     gc.collect()
     return results, info
 
@@ -291,8 +308,8 @@ def main(argv=None) -> int:
         dtype = DTYPES[dname]
         log(f"[{dname}]")
         hf = {} if args.no_hf else run_hf(args.hf_methods, dtype, prompt_ids, max_new, log)
-        ours, info = run_graphspec(args.methods, dtype, prompt_ids, max_new, args.k_model, args.k_cross,
-                                   args.k_ngram, log)
+        ks = {"spec_0.5b": args.k_model, "spec_smollm2": args.k_cross, "ngram": args.k_ngram}
+        ours, info = run_graphspec(args.methods, dtype, prompt_ids, max_new, ks, log)
         summary = compare({**ours, **hf}, info["weight_bytes"], bw)
         report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
         for method, row in summary.items():
