@@ -22,8 +22,12 @@ same-vocabulary stages, unchanged.
   look-behind window of committed target tokens (kept only if the tokenizer reproduces them,
   so a merge across the boundary does not shift the proposals) and the target verifies by exact
   match. Drafting stops at a draft special token (its meaning is model-specific).
-- ``mode="auto"`` resolves per generation: ``AUTO_GREEDY_MODE`` at temperature 0 (the mode that
-  accepted more in our measurement, see the README), TLI when sampling.
+- ``mode="auto"`` resolves per generation: SLEM at temperature 0, TLI when sampling. SLEM won
+  every greedy comparison we measured: SmolLM2-135M-Instruct drafting for
+  Qwen2.5-Coder-0.5B-Instruct, 4 chat prompts (code, prose, French), 201 tokens, bf16 on CPU,
+  acceptance 0.46 vs 0.34 and 2.23 vs 1.99 tokens per target forward at K=3; 0.33 vs 0.22 and
+  2.45 vs 2.07 at K=5. TLI loses where the draft's natural tokens are missing from the target's
+  vocabulary (indentation runs, word pieces): masked, the draft must spell them differently.
 
 Per-run bookkeeping lives in ``state.scratch(stage)``; the resolved mode and the intersection
 size go to ``state.run.extra["vocab"]``.
@@ -44,7 +48,7 @@ from graphspec.vocab import ByteEncoder, VocabMapping, build_vocab_mapping
 __all__ = ["CrossVocabDrafter", "VocabMap", "vocab_stages", "VOCAB_MODES", "AUTO_GREEDY_MODE"]
 
 VOCAB_MODES = ("auto", "tli", "slem")
-AUTO_GREEDY_MODE = "tli"
+AUTO_GREEDY_MODE = "slem"  # measured, see the module docstring
 
 # Draft tokens re-tokenized before new text (draft side) / committed target tokens kept as
 # context for SLEM's re-tokenization (target side): enough for a merge across the boundary.

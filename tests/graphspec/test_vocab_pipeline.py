@@ -27,7 +27,7 @@ import graphspec
 from graphspec import SamplingParams, Stage
 from graphspec.models.tokenizer import Tokenizer
 from graphspec.vocab import build_vocab_mapping
-from graphspec.vocab_stages import CrossVocabDrafter, VocabMap, _DraftText
+from graphspec.vocab_stages import VocabMap, _DraftText, resolve_mode
 from tests.checkpoints import make_checkpoint
 from tests.graphspec.oracle import chi2_pvalue, exact_marginals
 from tests.graphspec.toy import ToyCache, ToyLM
@@ -268,6 +268,10 @@ def test_modes_and_errors(models_, checkpoints, tmp_path):
         graphspec.Pipeline(target, draft=draft, vocab_mapping="bogus")
     auto = graphspec.Pipeline(target, draft=draft, vocab_mapping="auto")
     assert auto.run("hi", max_new_tokens=4, temperature=0.7, seed=1).token_ids  # auto samples through TLI
+    assert resolve_mode("auto", SamplingParams(temperature=0.7)) == "tli"
+    assert resolve_mode("auto", SamplingParams()) == "slem"  # measured to accept more for greedy
+    assert resolve_mode("tli", SamplingParams()) == "tli"
+    assert auto.run("hi", max_new_tokens=8, ignore_eos=True).token_ids == _baseline(target, "hi", 8).token_ids
     # same tokenizer: no map stage
     same = graphspec.Pipeline(target, draft=target, vocab_mapping="tli")
     assert "map" not in same.graph
