@@ -392,3 +392,19 @@ def test_tli_same_seed_same_output_and_greedy_exact():
     for mode in ("tli", "slem"):
         spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping=mode)
         assert spec.run(PROMPT, max_new_tokens=30, ignore_eos=True).token_ids == base.token_ids
+
+
+def test_sync_when_the_draft_cannot_spell_the_text():
+    """The toy draft has no "d": re-tokenizing drops it (best effort), and the end stays a safe boundary."""
+    target, draft = _toy_pair()
+    drafter, _ = graphspec.pipeline._vocab_stage(target, draft, "tli")
+    ttok = target.tokenizer
+    text = _DraftText(own=[], n_prompt=0, synced=0)
+    text.add_boundary(0)
+    tokens: list[int] = []
+    for piece in ["ab", "d", "a ", "cd", "ba", "c"]:
+        tokens.append(ttok.token_to_id(piece))
+        drafter._sync(text, tokens)
+        assert text.safe_idx[-1] == len(text.own) and text.safe_off[-1] == len(text.committed)
+        assert drafter.mapping.draft_tokens.join(text.own) == bytes(text.committed).replace(b"d", b"")
+    assert bytes(text.committed) == b"abda cdbac"
