@@ -137,36 +137,75 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None):
     return gen
 
 
-def run_method(gen, prompt_ids, max_new_tokens) -> dict:
-    gen(prompt_ids[0][:16], 4)  # warm-up: first-call allocations, oneDNN primitive creation
-    return _aggregate([gen(ids, max_new_tokens) for ids in prompt_ids])
+def run_interleaved(gens: dict, prompt_ids, max_new_tokens, log) -> dict:
+    """Every method on prompt 1, then every method on prompt 2, ... (order rotated per prompt).
+
+    The machine is shared: load drifts over minutes, so methods that ran minutes apart would not
+    compare. Interleaving puts each method's prompts in the same stretches of time.
+    """
+    names = list(gens)
+    for name in names:
+        gens[name](prompt_ids[0][:16], 4)  # warm-up: first-call allocations, oneDNN primitive creation
+    runs: dict = {name: [] for name in names}
+    for i, ids in enumerate(prompt_ids):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            runs[name].append(gens[name](ids, max_new_tokens))
+        log(f"  prompt {i + 1}/{len(prompt_ids)}: " + ", ".join(
+            f"{n} {runs[n][-1]['tokens'] / runs[n][-1]['seconds']:.2f}" for n in names) + " tok/s")
+    return {name: _aggregate(r) for name, r in runs.items()}
 
 
-def run_hf(methods, dtype, prompt_ids, max_new_tokens, log) -> dict:
+def _model_bytes(name: str, dtype) -> int:
+    from graphspec.models import zoo
+
+    d = zoo.resolve(name, progress=False)
+    size = sum(p.stat().st_size for p in d.glob("*.safetensors"))
+    stored = json.loads((d / "config.json").read_text()).get("torch_dtype", "float32")
+    per = 4 if stored == "float32" else 2
+    return size * torch.empty(0, dtype=dtype).element_size() // per
+
+
+def _available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, log) -> tuple[dict, dict, dict]:
+    """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
+    drafts = {DRAFT: ("spec_0.5b", "hf_assist_0.5b"), CROSS_DRAFT: ("spec_smollm2", "hf_assist_smollm2")}
+    one_family = _model_bytes(TARGET, dtype) + sum(
+        _model_bytes(n, dtype) for n, ms in drafts.items() if any(m in methods or m in hf_methods for m in ms))
+    together = bool(hf_methods) and 2 * one_family < 0.75 * _available_bytes()
+    log(f"  models of one family: {one_family / 1e9:.1f} GB; graphspec and transformers "
+        f"{'interleaved in one pass' if together else 'in two passes (not enough memory for both)'}")
     pool: dict = {}
-    results = {}
-    for method in methods:
-        results[method] = run_method(hf_runner(method, dtype, pool), prompt_ids, max_new_tokens)
-        log(f"  {method:18s} {results[method]['tokens_per_second']:6.2f} tok/s")
+    ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m)) for m in methods}
+    info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET)]), "interleaved_with_transformers": together}
+    hf_gens = {}
+    if together:
+        hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}
+        res = run_interleaved({**hf_gens, **ours_gens}, prompt_ids, max_new_tokens, log)
+    else:
+        res = run_interleaved(ours_gens, prompt_ids, max_new_tokens, log)
+        ours_gens.clear()
+        pool.clear()
+        gc.collect()
+        if hf_methods:
+            hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}
+            res.update(run_interleaved(hf_gens, prompt_ids, max_new_tokens, log))
     pool.clear()
     gc.collect()
-    return results
-
-
-def run_graphspec(methods, dtype, prompt_ids, max_new_tokens, ks: dict, log) -> tuple[dict, dict]:
-    pool: dict = {}
-    results = {}
-    for method in methods:
-        r = results[method] = run_method(graphspec_runner(method, dtype, pool, ks.get(method)), prompt_ids,
-                                         max_new_tokens)
-        if method != "ar":
-            r["num_speculative_tokens"] = ks[method]
-        log(f"  {method:18s} {r['tokens_per_second']:6.2f} tok/s  acceptance {r.get('acceptance_rate', 0):.2f}  "
-            f"{r.get('tokens_per_target_forward', 1):.2f} tokens/forward")
-    info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET)])}
-    pool.clear()
-    gc.collect()
-    return results, info
+    ours = {m: res[m] for m in methods}
+    for m in methods:
+        if m != "ar":
+            ours[m]["num_speculative_tokens"] = ks[m]
+    return ours, {m: res[m] for m in hf_methods}, info
 
 
 def _aggregate(runs: list[dict]) -> dict:
@@ -307,9 +346,9 @@ def main(argv=None) -> int:
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         log(f"[{dname}]")
-        hf = {} if args.no_hf else run_hf(args.hf_methods, dtype, prompt_ids, max_new, log)
         ks = {"spec_0.5b": args.k_model, "spec_smollm2": args.k_cross, "ngram": args.k_ngram}
-        ours, info = run_graphspec(args.methods, dtype, prompt_ids, max_new, ks, log)
+        ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
+                                   ks, log)
         summary = compare({**ours, **hf}, info["weight_bytes"], bw)
         report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
         for method, row in summary.items():
