@@ -238,7 +238,11 @@ def read_safetensors(directory: Path, expected: dict[str, tuple[int, ...]], dtyp
                          f"model.embed_tokens.weight in {where['model.embed_tokens.weight'].name} has "
                          f"{embed['shape'][0]} rows; the config and the weights disagree")
     missing = [n for n in expected if n not in entries]
-    unexpected = [n for n in entries if n not in expected and not n.endswith(_IGNORED_SUFFIXES)]
+    # Some writers store the tied head anyway; it is accepted only if it really equals the embedding (checked below).
+    tied_copy = ("lm_head.weight" in entries and "lm_head.weight" not in expected
+                 and tuple(entries["lm_head.weight"]["shape"]) == expected["model.embed_tokens.weight"])
+    unexpected = [n for n in entries if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+                  and not (tied_copy and n == "lm_head.weight")]
     misshaped = [f"{n} has shape {tuple(entries[n]['shape'])}, expected {expected[n]} ({where[n].name})"
                  for n in expected if n in entries and tuple(entries[n]["shape"]) != expected[n]]
     not_float = [f"{n} has dtype {entries[n]['dtype']} ({where[n].name}); only float weights are supported "
@@ -262,6 +266,15 @@ def read_safetensors(directory: Path, expected: dict[str, tuple[int, ...]], dtyp
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(where[name], []).append(name)
+    if tied_copy:
+        with safe_open(str(where["lm_head.weight"]), framework="pt", device="cpu") as f:
+            head = f.get_tensor("lm_head.weight")
+        with safe_open(str(where["model.embed_tokens.weight"]), framework="pt", device="cpu") as f:
+            same = torch.equal(head, f.get_tensor("model.embed_tokens.weight"))
+        if not same:
+            raise ValueError(f"checkpoint {directory}: config.json has tie_word_embeddings=true but the stored "
+                             f"lm_head.weight ({where['lm_head.weight'].name}) differs from model.embed_tokens.weight; "
+                             "set tie_word_embeddings=false in config.json to use the stored head")
     for file, names in by_file.items():
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -153,6 +153,25 @@ def test_missing_lm_head_hints_at_tying(ckpt):
         load_model(ckpt)
 
 
+def test_tied_config_with_a_stored_head_loads_only_if_it_equals_the_embedding(ckpt):
+    f = ckpt / "model.safetensors"
+    t = load_file(str(f))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    # some writers store the tied head anyway: an exact copy of the embedding is accepted
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    save_file(t, str(f))
+    m = load_model(ckpt)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(m(ids), m(ids))
+    # a head that differs contradicts the config: refused, never silently dropped
+    t["lm_head.weight"] = t["model.embed_tokens.weight"] + 1
+    save_file(t, str(f))
+    with pytest.raises(ValueError, match="tie_word_embeddings=true but the stored lm_head.weight"):
+        load_model(ckpt)
+
+
 def test_vocab_mismatch_names_both(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["vocab_size"] += 8
