@@ -161,6 +161,7 @@ def _block_for(v: int) -> int:
 
 def _vocab_map_triton(probs_src, src_to_dst, dst_size, renormalize):
     _validate_map(probs_src, src_to_dst, dst_size)
+    src_to_dst = src_to_dst.contiguous()  # the kernel reads the table with unit stride
     n, vs = probs_src.shape
     out = torch.zeros(n, dst_size, dtype=torch.float32, device=probs_src.device)
     if n == 0 or vs == 0:
@@ -178,6 +179,7 @@ def _vocab_map_triton(probs_src, src_to_dst, dst_size, renormalize):
 
 def _vocab_mask_triton(logits, table):
     _validate_mask(logits, table)
+    table = table.contiguous()  # the kernel reads the table with unit stride
     n, v = logits.shape
     out = torch.empty(n, v, dtype=logits.dtype, device=logits.device)
     if n == 0 or v == 0:

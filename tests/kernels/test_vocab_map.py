@@ -85,6 +85,19 @@ def test_vocab_mask_logits_triton_matches_ref(n, v, dtype):
     assert got.equal(expected)
 
 
+def test_strided_tables():
+    gen = torch.Generator().manual_seed(3)
+    wide = _table(2 * 301, 90, 0.7, True, gen)
+    table = wide[::2]  # a strided view: every other entry
+    probs = torch.softmax(torch.randn(2, 301, generator=gen), dim=-1)
+    logits = torch.randn(2, 301, generator=gen)
+    with use_backend("triton"):
+        got_map = vocab_map(probs, table, 90)
+        got_mask = vocab_mask_logits(logits, table)
+    assert_close(got_map, vocab_map_ref(probs, table.contiguous(), 90), 1e-6, 1e-5)
+    assert got_mask.equal(vocab_mask_logits_ref(logits, table.contiguous()))
+
+
 def test_validation_errors():
     probs = torch.rand(2, 10)
     good = torch.arange(10)
