@@ -413,6 +413,7 @@ class Pipeline:
         finally:
             stats.target_forwards = run.target_forwards
             stats.draft_forwards = run.draft_forwards
+            stats.vocab = run.extra.get("vocab")
 
     def _generate(self, ids, max_new_tokens, params, ignore_eos, stops) -> Iterator[str]:
         """Yields text pieces as tokens are committed; returns the GenerationResult."""

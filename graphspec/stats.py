@@ -37,6 +37,8 @@ class GenerationStats:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # cross-vocabulary runs only: {"mode", "intersection", "draft_vocab", "target_vocab"}
+    vocab: dict | None = None
 
     def record_step(self, proposed: int, accepted: int) -> None:
         self.steps += 1
@@ -70,6 +72,7 @@ class GenerationStats:
         d["stage_seconds"] = dict(self.stage_seconds)
         d["accepted_per_position"] = list(self.accepted_per_position)
         d["proposed_per_position"] = list(self.proposed_per_position)
+        d["vocab"] = dict(self.vocab) if self.vocab is not None else None
         for k in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "decode_tokens_per_second"):
             d[k] = getattr(self, k)
         return d
@@ -79,4 +82,6 @@ class GenerationStats:
         return (f"{self.generated_tokens} tokens in {self.steps} steps; acceptance {self.acceptance_rate:.2f}, "
                 f"{self.mean_accepted_length:.2f} tokens/step; {self.tokens_per_second:.1f} tok/s "
                 f"({self.decode_tokens_per_second:.1f} decode); prefill {self.prefill_seconds * 1e3:.1f} ms; "
-                f"forwards target {self.target_forwards} draft {self.draft_forwards}; stages: {stages or '-'}")
+                f"forwards target {self.target_forwards} draft {self.draft_forwards}; stages: {stages or '-'}"
+                + (f"; vocab map {self.vocab.get('mode')}, {self.vocab.get('intersection')} shared tokens"
+                   if self.vocab else ""))

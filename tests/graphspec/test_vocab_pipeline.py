@@ -93,6 +93,11 @@ def test_greedy_equals_target_alone(models_, pair, mode):
         assert b.token_ids == a.token_ids, (mode, prompt)
         assert b.text == a.text
         assert b.stats.proposed > 0 and b.stats.draft_forwards > 0
+        mapping = spec.graph["draft"].mapping
+        assert b.stats.vocab["mode"] == mode
+        assert b.stats.vocab["intersection"] == mapping.intersection_size > 0
+        assert b.stats.as_dict()["vocab"]["intersection"] == mapping.intersection_size
+        assert a.stats.vocab is None
 
 
 def test_greedy_chat_messages_and_stream(models_):
