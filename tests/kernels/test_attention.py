@@ -2,10 +2,7 @@
 reference against an independent float64 formula; odd shapes, GQA, strided cache views, errors."""
 
 import importlib
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +10,8 @@ import torch
 from graphspec.kernels import attention, attention_ref, use_backend
 from graphspec.kernels.attention import _attention_triton
 from tests.kernels._compare import assert_close
+from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
-REPO = Path(__file__).resolve().parents[2]
 
 # (atol, rtol) per dtype: bf16/fp16 kernels round the softmax weights to the storage dtype
 # before the P @ V product (as flash attention does on a GPU), the reference keeps fp32.
@@ -144,48 +141,7 @@ def test_errors_name_the_argument(over, match, backend):
 # The interpreter accepts programs a GPU compiler rejects (dot shapes, dtype mixes, shared memory),
 # so the kernels are also compiled ahead of time to sm_90 cubins with the ptxas inside the triton
 # wheel. Kernels must be defined with the interpreter off: the check runs in a subprocess
-# (``python -m tests.kernels.test_attention``). test_sampling / test_rejection reuse these helpers.
-
-def compile_for_sm90(specs) -> list[str]:
-    """Compile (name, kernel, signature, constexprs, options) specs for sm_90; return the failures."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    failures = []
-    for name, kernel, signature, constexprs, options in specs:
-        try:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                      target=GPUTarget("cuda", 90, 32), options=options)
-            if not compiled.asm.get("cubin"):
-                raise RuntimeError("no cubin produced")
-            if compiled.metadata.shared > 227 * 1024:
-                raise RuntimeError(f"needs {compiled.metadata.shared} bytes of shared memory; an H100/H200 has 227 KiB")
-        except Exception as exc:  # report every kernel, not only the first
-            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:1500]}")
-    return failures
-
-
-def compile_main(specs) -> int:
-    failures = compile_for_sm90(specs)
-    for failure in failures:
-        print("FAIL", failure)
-    print(f"{len(failures)} of {len(specs)} kernels failed to compile for sm_90")
-    return 1 if failures else 0
-
-
-def have_ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-def run_compile_check(module: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-
+# (``python -m tests.kernels.test_attention``); the helpers live in tests/kernels/_sm90.py.
 
 def _sm90_specs():
     """The launcher's configurations for D=128 (the largest tiles), fp32 and bf16 (fp16 lowers like bf16)."""

@@ -10,14 +10,12 @@ One config per kernel, fp32 and bf16, keeps it to ~16 kernels; Triton's cache ma
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
+
 
 
 def _specs():
@@ -72,42 +70,10 @@ def _specs():
     return specs
 
 
-def main() -> int:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.autotuner import Autotuner
-
-    target = GPUTarget("cuda", 90, 32)
-    failures = []
-    for name, kernel, signature, constexprs, options in _specs():
-        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
-        try:
-            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                      target=target, options=options)
-            if not compiled.asm.get("cubin"):
-                raise RuntimeError("no cubin produced")
-        except Exception as exc:  # report every kernel, not just the first failure
-            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:1500]}")
-    for failure in failures:
-        print("FAIL", failure)
-    print(f"{len(failures)} of {len(_specs())} kernels failed to compile for sm_90")
-    return 1 if failures else 0
-
-
-def _have_ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _have_ptxas(), reason="this triton wheel ships no ptxas; cannot compile for sm_90 here")
+@pytest.mark.skipif(not have_ptxas(), reason="this triton wheel ships no ptxas; cannot compile for sm_90 here")
 def test_part_a_kernels_compile_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_compile_sm90"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_compile_check("tests.kernels.test_compile_sm90")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(compile_main(_specs()))

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from graphspec.kernels import exponential_noise, rejection_sample, rejection_sample_ref, use_backend
 from graphspec.kernels.rejection import _rejection_triton
-from tests.kernels.test_attention import compile_main, have_ptxas, run_compile_check
+from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
 
 def _dist(shape, gen, sharp=2.0, zero_frac=0.0):

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from graphspec.kernels import exponential_noise, sample, sample_ref, use_backend, warp_logits, warp_logits_ref
 from graphspec.kernels.sampling import _sample_triton, _warp_logits_triton
 from tests.kernels._compare import assert_close
-from tests.kernels.test_attention import compile_main, have_ptxas, run_compile_check
+from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
 ATOL = 1e-6  # fp32 probabilities
 

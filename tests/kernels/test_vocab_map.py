@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +10,8 @@ import torch
 from graphspec.kernels import use_backend
 from graphspec.kernels.vocab_map import vocab_map, vocab_map_ref, vocab_mask_logits, vocab_mask_logits_ref
 from tests.kernels._compare import assert_close
+from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
-REPO = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 1e-5), torch.float16: (1e-6, 1e-5)}
 
 
@@ -146,39 +143,10 @@ def _specs():
     return specs
 
 
-def main() -> int:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    failures = []
-    for name, kernel, signature, constexprs in _specs():
-        try:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                      target=GPUTarget("cuda", 90, 32))
-            if not compiled.asm.get("cubin"):
-                raise RuntimeError("no cubin produced")
-        except Exception as exc:  # report every kernel, not just the first failure
-            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:1500]}")
-    for failure in failures:
-        print("FAIL", failure)
-    print(f"{len(failures)} of {len(_specs())} vocab_map kernels failed to compile for sm_90")
-    return 1 if failures else 0
-
-
-def _have_ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _have_ptxas(), reason="this triton wheel ships no ptxas; cannot compile for sm_90 here")
+@pytest.mark.skipif(not have_ptxas(), reason="this triton wheel ships no ptxas; cannot compile for sm_90 here")
 def test_vocab_map_kernels_compile_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_vocab_map"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    run_compile_check("tests.kernels.test_vocab_map")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(compile_main(_specs()))
