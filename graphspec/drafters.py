@@ -46,6 +46,17 @@ def prefill(model, cache, tokens: list[int], device) -> None:
         model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
 
 
+def start_cache(model, state):
+    """A fresh KV cache for this run holding every committed token but the pending last one.
+
+    Returns ``(cache, forwards)``: 1 if a prefill forward ran, 0 for a one-token prompt.
+    """
+    run = state.run
+    cache = model.new_cache(run.capacity, batch_size=1)
+    prefill(model, cache, state.tokens[:-1], run.device)
+    return cache, int(len(state.tokens) > 1)
+
+
 class ModelDrafter(Stage):
     """Draft with a (smaller) language model that shares the target's vocabulary."""
 
@@ -60,11 +71,8 @@ class ModelDrafter(Stage):
         self.model = model
 
     def begin(self, state) -> None:
-        run = state.run
-        cache = self.model.new_cache(run.capacity, batch_size=1)
-        prefill(self.model, cache, state.tokens[:-1], run.device)
-        if len(state.tokens) > 1:
-            run.draft_forwards += 1
+        cache, forwards = start_cache(self.model, state)
+        state.run.draft_forwards += forwards
         state.scratch(self)["cache"] = cache
 
     def draw(self, logits: torch.Tensor, params, generator) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from graphspec.drafters import prefill
+from graphspec.drafters import start_cache
 from graphspec.graph import Stage
 
 __all__ = ["Verify"]
@@ -29,11 +29,8 @@ class Verify(Stage):
         self.model = model
 
     def begin(self, state) -> None:
-        run = state.run
-        cache = self.model.new_cache(run.capacity, batch_size=1)
-        prefill(self.model, cache, state.tokens[:-1], run.device)
-        if len(state.tokens) > 1:
-            run.target_forwards += 1
+        cache, forwards = start_cache(self.model, state)
+        state.run.target_forwards += forwards
         state.scratch(self)["cache"] = cache
 
     def run(self, state) -> None:

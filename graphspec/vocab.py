@@ -37,10 +37,12 @@ import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import torch
+
+from graphspec.models.tokenizer import byte_alphabet
 
 __all__ = [
     "TokenizerFamily", "family_of", "normalize_token", "TokenTable", "token_table",
@@ -60,19 +62,7 @@ _NORMAL, _SPECIAL, _MISSING, _FALLBACK = 0, 1, 2, 3
 _BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's table: printable bytes stand for themselves, the others shift to chr(256 + n)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table = {b: chr(b) for b in printable}
-    n = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in byte_alphabet().items()}
 
 
 # ----------------------------------------------------------------------------- normalisation

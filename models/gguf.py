@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from graphspec.models.tokenizer import byte_alphabet
+
 __all__ = [
     "GGUFInfo",
     "GGUFTensorInfo",
@@ -435,19 +437,6 @@ _PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
 }
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map: printable Latin-1 bytes stand for themselves,
-    the other 68 bytes are shifted to code points 256 and up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + shift)
-            shift += 1
-    return mapping
-
-
 def _build_tokenizer(info: GGUFInfo) -> tuple[Any, dict]:
     """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF tokenizer metadata."""
     model = info.get("tokenizer.ggml.model")
@@ -565,7 +554,7 @@ def _build_byte_level_bpe(info: GGUFInfo):
             f"known: {sorted(_PRE_TOKENIZER_SPLITS)}"
         )
     tokens, types = _tokens(info)
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     alphabet_chars = set(alphabet.values())
 
     def spelled(tok: str) -> bool:

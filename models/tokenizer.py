@@ -29,6 +29,19 @@ import tokenizers
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies: printable Latin-1
+    bytes stand for themselves, the other 68 bytes shift to code points 256 and up (``Ġ`` is a space)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shift)
+            shift += 1
+    return mapping
+
+
 class Tokenizer:
     """Encode/decode like transformers' fast tokenizer loaded from the same directory."""
 

@@ -7,8 +7,6 @@ our converted directory must give the same logits and the same token ids.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 import torch
 
 from graphspec.models import gguf as gg
+from graphspec.models.tokenizer import byte_alphabet
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -41,7 +40,7 @@ TEXTS = [
 
 def _tiny_vocab():
     """A byte-level BPE vocabulary: 256 byte tokens, some merges, control and user-defined tokens."""
-    alphabet = gg._byte_alphabet()
+    alphabet = byte_alphabet()
     tokens = [alphabet[b] for b in range(256)]
     types = [1] * 256
     merges = []
