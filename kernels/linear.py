@@ -18,9 +18,9 @@
   ``prepare_weight``: on a CPU with oneDNN, fp32 and bf16 weights are reordered once, at load,
   into oneDNN's blocked layout and run by ``torch.ops.mkldnn._linear_pointwise``. Measured on
   the 2-core AVX-512 machines (perf/RESULTS.md): ``F.linear`` re-packs the weight on every
-  call, which for fp32 makes 2..8 rows cost ~2x one row; the pre-packed product is nearly
-  flat in M (a speculative verify of K+1 rows then costs about one decode step), and bf16
-  gains too. ``prepare_weight`` is a no-op on CUDA and wherever Triton is requested.
+  call and, for fp32, runs 2..8 rows on the plain layout at ~2x the cost of one row; the
+  blocked, pre-packed fp32 weight makes 5..8 rows cost about one row (a speculative verify
+  then costs about one decode step), and bf16 decode GEMMs gain 1.2-1.5x. ``prepare_weight`` is a no-op on CUDA and wherever Triton is requested.
 """
 
 from __future__ import annotations
@@ -334,17 +334,29 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return False  # fp16 needs AVX512-FP16 / AVX-NE-CONVERT; F.linear it is
 
 
-def prepare_weight(weight: torch.Tensor, rows_hint: int = 1):
+# oneDNN picks the weight's blocking from the expected row count. fp32, measured on the
+# Qwen2.5-1.5B step (1 thread, perf/RESULTS.md): hint 1 keeps the plain [N, K] layout, where one
+# row is fastest (369 ms) but 5 / 8 rows cost 1.56x / 1.83x; hint 8 blocks the weight
+# (AB16b64a) and 5 / 8 rows cost 0.81x / 1.04x of one row (one row: 453 ms). A speculative
+# verify needs the flat curve. bf16 blocks the weight (AB16b64a2b) whatever the hint.
+_ROWS_HINT = {torch.float32: 8, torch.bfloat16: 1}
+
+
+def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None):
     """The layout ``linear`` runs fastest with on ``weight``'s device; call once, at load time.
 
     CPU (torch path, oneDNN available, fp32 or bf16 with hardware bf16): a :class:`PackedWeight`.
     Everywhere else (CUDA, the Triton backend, fp16 on CPU): ``weight`` itself, unchanged.
-    ``rows_hint`` is the typical number of rows ``x`` will have (oneDNN picks its blocking
-    from it).
+    ``rows_hint`` is the number of rows ``x`` is expected to have, from which oneDNN picks its
+    blocking; the default is tuned for decode and verify (1..9 rows) per dtype.
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     if use_triton(weight) or not _can_pack(weight) or weight.numel() == 0:
         return weight
+    if rows_hint is None:
+        rows_hint = _ROWS_HINT[weight.dtype]
+    if isinstance(rows_hint, bool) or not isinstance(rows_hint, int) or rows_hint < 1:
+        raise ValueError(f"rows_hint={rows_hint!r}; expected a positive int (rows per call)")
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
     return PackedWeight(packed, weight.shape, weight.dtype)
 

@@ -63,6 +63,7 @@ def main(argv=None) -> int:
                 unpack(model)
             for threads in args.threads:
                 torch.set_num_threads(threads)
+                bw = read_bandwidth()["gbps_median"]  # at this thread count: 1 thread reads slower when quiet
                 base = None
                 for t in args.tokens:
                     s = step_times(model, t, args.reps)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
                     row = {"dtype": dname, "layout": layout, "threads": threads, "tokens": t,
                            "median_ms": med * 1e3, "min_ms": min(s) * 1e3,
                            "ratio_to_1": med / base if base else None,
-                           "gbps": nbytes / med / 1e9, "weight_bytes": nbytes}
+                           "gbps": nbytes / med / 1e9, "weight_bytes": nbytes, "read_bandwidth_gbps": bw}
                     row["fraction_of_bandwidth"] = row["gbps"] / bw
                     rows.append(row)
                     print(f"{dname:5s} {layout:6s} threads={threads} T={t}: {med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"

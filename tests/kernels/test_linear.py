@@ -176,3 +176,13 @@ def test_packed_weight_refuses_triton_and_bad_shapes():
         linear(torch.randn(2, 4), pw, torch.randn(7))
     with pytest.raises(ValueError, match="weight"):
         prepare_weight(torch.randn(8))
+    with pytest.raises(ValueError, match="rows_hint"):
+        prepare_weight(torch.randn(8, 4), rows_hint=0)
+
+
+@needs_pack
+@pytest.mark.parametrize("rows_hint", [1, 8, 64])
+def test_every_rows_hint_gives_the_same_product(rows_hint):
+    x, w, b = _inputs(5, 96, 77, torch.float32)
+    y = linear(x, prepare_weight(w, rows_hint=rows_hint), b)
+    assert_close(y, linear_ref(x, w, b), *TOL[torch.float32], name=f"packed rows_hint={rows_hint}")
