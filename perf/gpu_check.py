@@ -122,7 +122,7 @@ def kernel_tests(log, result, out: Path, seconds: float, dry: bool):
     env = dict(os.environ, GRAPHSPEC_TEST_DEVICE="cuda", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     xml = out / "kernel_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-x" if False else "-q",
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}", "-o", "addopts="]
     t0 = time.time()
     try:
