@@ -46,6 +46,25 @@ def prefill(model, cache, tokens: list[int], device) -> None:
         model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
 
 
+def check_confidence_threshold(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"draft_confidence_threshold must be None or a number in [0, 1), got {value!r}")
+    return float(value) or None
+
+
+def draft_confidence(logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None) -> float:
+    """The draft's own probability of the token it just proposed (q when sampling, softmax(logits) greedy).
+
+    Stopping a draft when this falls below a threshold keeps the output lossless: how many tokens
+    are proposed depends only on the draft's own state, never on the target's.
+    """
+    if q is not None:
+        return float(q[0, token[0]])
+    return float(torch.exp(logits[0, token[0]] - torch.logsumexp(logits[0], dim=-1)))
+
+
 def start_cache(model, state):
     """A fresh KV cache for this run holding every committed token but the pending last one.
 
@@ -63,12 +82,15 @@ class ModelDrafter(Stage):
     reads = DRAFT_READS
     writes = DRAFT_WRITES
 
-    def __init__(self, model, name: str = "draft"):
+    def __init__(self, model, name: str = "draft", confidence_threshold: float | None = None):
         super().__init__(name)
         for attr in ("step", "new_cache", "config"):
             if not hasattr(model, attr):
                 raise ValueError(f"ModelDrafter needs a graphspec model (with .{attr}); got {type(model).__name__}")
         self.model = model
+        # Stop drafting early once the draft itself gives its proposal less than this probability:
+        # such tokens are rarely accepted, and each costs a draft forward (None: always draft K).
+        self.confidence_threshold = check_confidence_threshold(confidence_threshold)
 
     def begin(self, state) -> None:
         cache, forwards = start_cache(self.model, state)
@@ -106,6 +128,9 @@ class ModelDrafter(Stage):
             ids.append(tok)
             if q is not None:
                 probs.append(q)
+            if (self.confidence_threshold is not None and i < k - 1
+                    and draft_confidence(logits, tok, q) < self.confidence_threshold):
+                break
             new = tok.view(1, 1)
         state.draft_ids = torch.stack(ids, dim=1)  # [1, k]
         if not probs:

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 import torch
 
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling
-from graphspec.drafters import ModelDrafter, NgramDrafter
+from graphspec.drafters import ModelDrafter, NgramDrafter, check_confidence_threshold
 from graphspec.graph import Graph, Stage
 from graphspec.kernels import use_backend
 from graphspec.state import RunInfo, SamplingParams, State
@@ -43,6 +43,9 @@ STEP_INPUTS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 STEP_OUTPUTS = ("emitted",)
 _NO_DRAFT_INPUTS = ("draft_ids", "draft_probs")
 VOCAB_MAPPING_MODES = ("auto", "tli", "slem", "none")
+# A model draft stops proposing once it gives its own token less than this probability (see the README
+# for the measurement behind the value); None drafts all K every step.
+DEFAULT_DRAFT_CONFIDENCE_THRESHOLD: float | None = 0.4
 
 
 @dataclass
@@ -97,7 +100,7 @@ def _same_vocabulary(target, draft) -> bool:
     return tt.get_vocab() == dt.get_vocab()
 
 
-def _vocab_stage(target, draft, mode: str) -> tuple[Stage, Stage] | None:
+def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = None) -> tuple[Stage, Stage] | None:
     """``(drafter, map stage)`` for a draft with another tokenizer, or None when they share one.
 
     The single hook for cross-vocabulary drafting (``graphspec.vocab_stages``): the drafter keeps
@@ -117,7 +120,7 @@ def _vocab_stage(target, draft, mode: str) -> tuple[Stage, Stage] | None:
                          f"vocab_mapping='none' if they share one vocabulary")
     from graphspec.vocab_stages import vocab_stages
 
-    return vocab_stages(target, draft, mode)
+    return vocab_stages(target, draft, mode, confidence_threshold=confidence_threshold)
 
 
 def _check_positive_int(name: str, v, minimum: int = 1) -> int:
@@ -192,12 +195,16 @@ class Pipeline:
     ``"greedy"``, ``"rejection"`` or a ``Stage``. ``vocab_mapping``: for a draft with another tokenizer,
     "tli", "slem" (greedy only) or "auto" (see ``graphspec.vocab_stages``); "none" trusts shared ids.
     ``sync_timing``: synchronise the device around stage timers (default: on CUDA).
+    ``draft_confidence_threshold``: a model draft stops early in a step once its own probability of the
+    token it proposed falls below this (lossless: the count depends only on the draft); None: always K.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
                  max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
-                 sync_timing: bool | None = None):
+                 sync_timing: bool | None = None,
+                 draft_confidence_threshold: float | None = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
+        threshold = check_confidence_threshold(draft_confidence_threshold)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
             raise ValueError(f"vocab_mapping={vocab_mapping!r} is not one of {VOCAB_MAPPING_MODES}")
         self.target = _load(target, "target", dtype, device, backend)
@@ -217,9 +224,9 @@ class Pipeline:
             if torch.device(self.draft.device) != torch.device(self.target.device):
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")
-            cross = _vocab_stage(self.target, self.draft, vocab_mapping)
+            cross = _vocab_stage(self.target, self.draft, vocab_mapping, threshold)
             if cross is None:
-                drafter = ModelDrafter(self.draft)
+                drafter = ModelDrafter(self.draft, confidence_threshold=threshold)
             else:
                 drafter, mapper = cross
                 between.append(mapper)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphspec.drafters import prefill
+from graphspec.drafters import check_confidence_threshold, draft_confidence, prefill
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 from graphspec.kernels.vocab_map import vocab_map, vocab_mask_logits
@@ -98,8 +98,10 @@ class CrossVocabDrafter(Stage):
     reads = ("tokens", "num_draft", "params", "generator")
     writes = DRAFT_OWN_FIELDS
 
-    def __init__(self, model, mapping: VocabMapping, target_tokenizer, mode: str = "auto", name: str = "draft"):
+    def __init__(self, model, mapping: VocabMapping, target_tokenizer, mode: str = "auto", name: str = "draft",
+                 confidence_threshold: float | None = None):
         super().__init__(name)
+        self.confidence_threshold = check_confidence_threshold(confidence_threshold)  # see ModelDrafter
         if mode not in VOCAB_MODES:
             raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MODES}")
         if model.config.vocab_size != mapping.draft_vocab_size:
@@ -303,10 +305,11 @@ class CrossVocabDrafter(Stage):
         fed.extend(own[common:])
         picks: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
-        for _ in range(k):
+        for i in range(k):
             logits = self.model.step(new, cache, logits_for="last")[:, -1, :vd]  # [1, Vd] fp32
             run.draft_forwards += 1
             logits = vocab_mask_logits(logits, d2t if tli else spellable)
+            q = None
             if params.greedy:
                 tok = logits.argmax(dim=-1)
             else:
@@ -314,6 +317,9 @@ class CrossVocabDrafter(Stage):
                 tok = sample(q, exponential_noise(q.shape, state.generator, q.device))
                 probs.append(q)
             picks.append(tok)
+            if (self.confidence_threshold is not None and i < k - 1
+                    and draft_confidence(logits, tok, q) < self.confidence_threshold):
+                break
             new = tok.view(1, 1)
         ids = torch.stack(picks, dim=1)  # [1, k] draft ids
         proposals = ids[0].tolist()
@@ -392,7 +398,8 @@ class VocabMap(Stage):
         return []
 
 
-def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True) -> tuple[CrossVocabDrafter, VocabMap]:
+def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True,
+                 confidence_threshold: float | None = None) -> tuple[CrossVocabDrafter, VocabMap]:
     """The draft and map stages for a target and draft with different tokenizers.
 
     Builds (or loads from the cache) the vocabulary tables; an empty intersection is a
@@ -406,5 +413,5 @@ def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True) -> tu
         raise ValueError(f"cross-vocabulary drafting needs both tokenizers, but {which} has none")
     mapping = build_vocab_mapping(dt, tt, draft_vocab_size=draft.config.vocab_size,
                                   target_vocab_size=target.config.vocab_size, cache=cache)
-    drafter = CrossVocabDrafter(draft, mapping, tt, mode)
+    drafter = CrossVocabDrafter(draft, mapping, tt, mode, confidence_threshold=confidence_threshold)
     return drafter, VocabMap(drafter)

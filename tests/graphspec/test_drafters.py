@@ -65,7 +65,7 @@ def test_ngram_arguments():
 def test_model_drafter_feeds_exactly_the_uncached_tokens():
     target = ToyLM(seed=0)
     draft = ToyLM(seed=0)  # identical tables: every draft is accepted
-    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3)
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, draft_confidence_threshold=None)
     prompt = [1, 2, 3, 4]
     out = pipe.run(prompt, max_new_tokens=12)
     g = out.token_ids

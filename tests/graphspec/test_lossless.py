@@ -61,17 +61,33 @@ T1 = SamplingParams(temperature=1.0)
 T07K = SamplingParams(temperature=0.7, top_k=5)
 
 
-@pytest.mark.parametrize("draft, params, k", [
-    ("model", T1, 2),
-    ("model", T07K, 3),
-    ("ngram", T1, 2),
-    ("model", SamplingParams(temperature=1.3, top_p=0.8), 2),
-], ids=["model-T1", "model-T0.7-top5", "ngram-T1", "model-T1.3-topp0.8"])
-def test_speculative_sampling_matches_the_target_distribution(draft, params, k):
-    pipe = graphspec.Pipeline(_target(), draft=_draft() if draft == "model" else "ngram", num_speculative_tokens=k)
+@pytest.mark.parametrize("draft, params, k, threshold", [
+    ("model", T1, 2, None),
+    ("model", T07K, 3, 0.4),
+    ("ngram", T1, 2, None),
+    ("model", SamplingParams(temperature=1.3, top_p=0.8), 2, 0.4),
+    ("model", T1, 4, 0.7),
+], ids=["model-T1", "model-T0.7-top5-conf0.4", "ngram-T1", "model-T1.3-topp0.8-conf0.4", "model-T1-K4-conf0.7"])
+def test_speculative_sampling_matches_the_target_distribution(draft, params, k, threshold):
+    pipe = graphspec.Pipeline(_target(), draft=_draft() if draft == "model" else "ngram", num_speculative_tokens=k,
+                              draft_confidence_threshold=threshold)
     pvalues, rate = _pvalues(pipe, params)
     assert min(pvalues) > 1e-3, pvalues
     assert 0.1 < rate < 0.99  # drafts are both accepted and rejected: every path of the rule is exercised
+
+
+def test_a_low_confidence_draft_stops_early():
+    """The threshold really shortens drafts (its losslessness is the conf0.7 case above; greedy in test_pipeline)."""
+
+    def proposed_per_step(threshold):
+        pipe = graphspec.Pipeline(_target(), draft=_draft(), num_speculative_tokens=4,
+                                  draft_confidence_threshold=threshold)
+        runs = [pipe.run(PROMPT, max_new_tokens=12, temperature=1.0, seed=seed, ignore_eos=True).stats
+                for seed in range(100)]
+        return sum(r.proposed for r in runs) / sum(r.steps for r in runs)
+
+    full, short = proposed_per_step(None), proposed_per_step(0.7)
+    assert full > 3.0 and short < 0.8 * full, (full, short)
 
 
 # --------------------------------------------------------------------------------- the pitfalls
@@ -172,7 +188,8 @@ def test_equality_with_a_target_sample_is_lossless_but_accepts_less():
 
 def test_a_draft_identical_to_the_target_is_always_accepted_when_sampling():
     target = _target()
-    pipe = graphspec.Pipeline(target, draft=ToyLM(table=target.table.clone()), num_speculative_tokens=4)
+    pipe = graphspec.Pipeline(target, draft=ToyLM(table=target.table.clone()), num_speculative_tokens=4,
+                              draft_confidence_threshold=None)
     for params in (T1, T07K):
         r = pipe.run(PROMPT, max_new_tokens=20, temperature=params.temperature, top_k=params.top_k, seed=3,
                      ignore_eos=True)

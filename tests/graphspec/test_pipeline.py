@@ -25,9 +25,13 @@ def test_greedy_speculative_equals_autoregressive_for_every_k(k):
     for prompt in ([7], long_prompt, [1, 2, 3, 1, 2, 3, 1, 2]):
         ref = _ar(target, prompt, 37).token_ids
         same = graphspec.Pipeline(target, draft=ToyLM(table=target.table.clone()), num_speculative_tokens=k)
-        unrelated = graphspec.Pipeline(target, draft=ToyLM(V, seed=100 + k), num_speculative_tokens=k)
+        unrelated = graphspec.Pipeline(target, draft=ToyLM(V, seed=100 + k), num_speculative_tokens=k,
+                                       draft_confidence_threshold=None)
+        # a draft that stops at its first unsure token (threshold 0.9): shorter drafts, same tokens
+        hesitant = graphspec.Pipeline(target, draft=ToyLM(V, seed=200 + k), num_speculative_tokens=k,
+                                      draft_confidence_threshold=0.9)
         ngram = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k)
-        for pipe in (same, unrelated, ngram):
+        for pipe in (same, unrelated, hesitant, ngram):
             out = pipe.run(prompt, max_new_tokens=37)
             assert out.token_ids == ref, (k, len(prompt), pipe)
             assert len(out.token_ids) == 37
@@ -39,7 +43,8 @@ def test_stats_with_a_draft_identical_to_the_target():
     k, n = 4, 30  # 30 = 6 steps of k + 1 tokens
     target = ToyLM(V, seed=0)
     draft = ToyLM(table=target.table.clone())
-    out = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=k).run([1, 2, 3], max_new_tokens=n)
+    out = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=k,
+                             draft_confidence_threshold=None).run([1, 2, 3], max_new_tokens=n)
     s = out.stats
     assert s.acceptance_rate == 1.0 and s.mean_accepted_length == k + 1
     assert s.steps == 6 and s.proposed == s.accepted == 24
@@ -139,6 +144,9 @@ def test_bad_pipeline_arguments():
         graphspec.Pipeline(target, draft=ToyLM(V + 4, seed=1))
     with pytest.raises(ValueError, match="vocab_mapping='bogus' is not one of"):
         graphspec.Pipeline(target, draft=ToyLM(V, seed=1), vocab_mapping="bogus")
+    for bad in (1.0, -0.1, "0.5", True):
+        with pytest.raises(ValueError, match="draft_confidence_threshold must be None or a number in"):
+            graphspec.Pipeline(target, draft=ToyLM(V, seed=1), draft_confidence_threshold=bad)
     with pytest.raises(ValueError, match="acceptance must be"):
         graphspec.Pipeline(target, acceptance="typical")
     with pytest.raises(ValueError, match="target must be a checkpoint directory"):

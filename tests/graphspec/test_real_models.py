@@ -59,7 +59,8 @@ def test_paths_load_like_models_and_match_transformers(dirs, models):
     transformers = pytest.importorskip("transformers")
     target_dir, other_dir = dirs
     target, _ = models
-    pipe = graphspec.Pipeline(str(target_dir), draft=str(other_dir), num_speculative_tokens=4)
+    pipe = graphspec.Pipeline(str(target_dir), draft=str(other_dir), num_speculative_tokens=4,
+                              draft_confidence_threshold=None)
     prompt = "Once upon a time"
     out = pipe.run(prompt, max_new_tokens=20, ignore_eos=True)
     ids = target.tokenizer.encode(prompt)
@@ -76,7 +77,7 @@ def test_paths_load_like_models_and_match_transformers(dirs, models):
 def test_stats_and_stream_on_transformers(models):
     target, _ = models
     k = 3
-    pipe = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k)
+    pipe = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k, draft_confidence_threshold=None)
     out = pipe.run("Hello, world!", max_new_tokens=24, ignore_eos=True)
     assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length == k + 1
     assert out.stats.accepted_per_position == [6] * k

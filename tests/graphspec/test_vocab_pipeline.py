@@ -209,7 +209,8 @@ def test_greedy_scripted_draft_is_accepted_and_stays_exact(models_, mode, wrong_
                                   draft_vocab_size=real_draft.config.vocab_size,
                                   target_vocab_size=target.config.vocab_size)
     draft = ScriptedDraft(real_draft.tokenizer, real_draft.config.vocab_size, mapping.draft_tokens, wrong_every)
-    spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, vocab_mapping=mode)
+    spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, vocab_mapping=mode,
+                              draft_confidence_threshold=None)
     own_prompt = spec.graph["draft"].prompt_tokens(base.prompt_token_ids)
     draft.script = mapping.draft_tokens.join(own_prompt)
     for t in base.token_ids:
