@@ -57,6 +57,18 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
+def _confidence(text: str):
+    if text.lower() == "none":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1) or 'none', got {text!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1) or 'none', got {v}")
+    return v
+
+
 def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False) -> None:
     p.add_argument("--target", required=True, help="checkpoint directory or zoo name (see `graphspec models`)")
     p.add_argument("--draft", required=draft_required, default=None,
@@ -68,6 +80,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--vocab-mapping", default="auto", choices=["auto", "tli", "slem"],
                    help="how a draft with another tokenizer is mapped to the target (default auto)")
+    p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
+                   help="a model draft stops proposing once it gives its own token less than P "
+                        "(default 0.4; 'none' always drafts K)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -177,9 +192,14 @@ def _pipelines(args):
     return target, draft, graphspec
 
 
+def _confidence_kw(args) -> dict:
+    return {"draft_confidence_threshold": args.draft_confidence} if hasattr(args, "draft_confidence") else {}
+
+
 def _cmd_run(args) -> int:
     target, draft, graphspec = _pipelines(args)
-    pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping)
+    pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
+                              **_confidence_kw(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
@@ -259,7 +279,8 @@ def _cmd_bench(args) -> int:
     prompts = _read_prompts(args.prompts)
     k = max(args.k, args.max_k)
     base = graphspec.Pipeline(target)
-    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping)
+    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping,
+                              **_confidence_kw(args))
     has_template = getattr(target.tokenizer, "has_chat_template", False)
 
     def as_prompt(item):

@@ -42,7 +42,7 @@ def _assert_one_line_error(proc, *fragments):
 
 
 def test_run_streams_text_and_prints_stats(tiny):
-    p = _cli("run", "--target", str(tiny), "--draft", "ngram", "-k", "3", "--dtype", "fp32",
+    p = _cli("run", "--target", str(tiny), "--draft", "ngram", "-k", "3", "--dtype", "fp32", "--draft-confidence", "none",
              "--max-new-tokens", "12", "--ignore-eos", "def fibonacci(n):")
     assert p.returncode == 0, p.stderr
     stats_line = p.stderr.strip().splitlines()[-1]
@@ -80,6 +80,7 @@ def test_run_chat_and_sampling_flags(tiny):
     (("run", "--target", "TINY", "--top-k", "-3", "hi"), ["top_k"]),
     (("run", "--target", "TINY", "-k", "0", "hi"), ["-k"]),
     (("run", "--target", "TINY", "--temperature", "-1", "hi"), ["--temperature"]),
+    (("run", "--target", "TINY", "--draft-confidence", "1.5", "hi"), ["--draft-confidence"]),
     (("run", "--target", "TINY", "--max-new-tokens", "100000", "hi"), ["max_position_embeddings"]),
     (("run", "--target", "TINY", "--draft", "/nope", "hi"), ["--draft", "/nope"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
@@ -104,6 +105,7 @@ def test_bench_on_user_prompts(tiny, tmp_path):
                        '{"messages": [{"role": "user", "content": "hi"}]}\n')
     out = tmp_path / "bench.json"
     p = _cli("bench", "--target", str(tiny), "--draft", str(tiny), "--dtype", "fp32", "--prompts", str(prompts),
+             "--draft-confidence", "0.3",
              "--max-new-tokens", "9", "--max-k", "4", "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert "recommended K:" in p.stdout
