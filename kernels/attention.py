@@ -99,7 +99,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     """
     if use_triton(q):
         return _attention_triton(q, k, v, scale)
+    T, L = q.shape[1], k.shape[1]
+    if 1 < T <= _ROWWISE_MAX_T:
+        # A verify's query row must come out bit-identical to the one-token step at that position, or bf16
+        # greedy speculative output drifts from autoregressive: torch's CPU SDPA rounds a row differently
+        # depending on how many rows it is given (measured: ~9% of bf16 rows). So each row runs as its own
+        # one-row call over exactly the keys it sees; attention is a few % of a CPU step.
+        _validate(q, k, v, scale)
+        return torch.cat([attention_ref(q[:, j:j + 1], k[:, :L - T + 1 + j], v[:, :L - T + 1 + j], scale)
+                          for j in range(T)], dim=1)
     return attention_ref(q, k, v, scale)
+
+
+# Verify-sized blocks (K + 1 rows) take the row-by-row CPU path above; prefill keeps one batched call.
+_ROWWISE_MAX_T = 16
 
 
 # ----------------------------------------------------------------------------- Triton kernels

@@ -187,3 +187,25 @@ def test_attention_kernels_compile_for_sm90():
 
 if __name__ == "__main__":
     sys.exit(compile_main(_sm90_specs()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_verify_rows_equal_one_token_steps_bitwise(dtype):
+    """On the CPU path, row j of a T-row verify is exactly the one-token step at that position.
+
+    Greedy speculative output can only equal autoregressive output bit for bit if each verify row
+    rounds like the one-token step did; torch's SDPA alone does not guarantee that (it rounds a row
+    differently depending on how many rows it gets), hence the row-by-row path for small T.
+    """
+    g = torch.Generator().manual_seed(0)
+    mismatches = 0
+    for trial in range(12):
+        L, T = 20 + 9 * trial, 1 + trial % 8
+        q = torch.randn(1, T, 9, 64, generator=g).to(dtype)
+        k = torch.randn(1, L, 3, 64, generator=g).to(dtype)
+        v = torch.randn(1, L, 3, 64, generator=g).to(dtype)
+        full = attention(q, k, v)
+        for j in range(T):
+            one = attention(q[:, j:j + 1], k[:, :L - T + 1 + j], v[:, :L - T + 1 + j])
+            mismatches += not torch.equal(one, full[:, j:j + 1])
+    assert mismatches == 0
