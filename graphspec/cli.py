@@ -78,6 +78,8 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
                    help="weights and activations dtype; auto = bf16 where the device supports it, else fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for torch (default: the cores not already busy, by the load average)")
     p.add_argument("--vocab-mapping", default="auto", choices=["auto", "tli", "slem"],
                    help="how a draft with another tokenizer is mapped to the target (default auto)")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
@@ -175,12 +177,33 @@ def _first_line(e: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__
 
 
+def cpu_threads(requested: int | None) -> int:
+    """Threads for the CPU path: as asked, else the cores not already busy.
+
+    On a loaded machine OpenMP's barriers wait for threads the scheduler has parked: with one core
+    busy elsewhere, 2 threads ran a 1.5B step 5x slower than 1 (perf/RESULTS.md).
+    """
+    if requested is not None:
+        return requested
+    cores = os.cpu_count() or 1
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except OSError:
+        busy = 0
+    return max(1, cores - busy)
+
+
 def _pipelines(args):
+    import torch
+
     import graphspec
 
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
-    print(f"loading {args.target} ({str(dtype).replace('torch.', '')} on {device}) ...", file=sys.stderr, flush=True)
+    threads = cpu_threads(args.threads)
+    torch.set_num_threads(threads)
+    where = f"{device}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else str(device)
+    print(f"loading {args.target} ({str(dtype).replace('torch.', '')} on {where}) ...", file=sys.stderr, flush=True)
     target = _load(args.target, "target", dtype, device)
     draft = None
     if args.draft is not None:

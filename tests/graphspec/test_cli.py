@@ -132,3 +132,16 @@ def test_real_pair_demo_command():
     assert p.returncode == 0, p.stderr
     assert "def " in p.stdout
     assert "acceptance" in p.stderr.strip().splitlines()[-1]
+
+
+def test_cpu_threads_leave_busy_cores_alone(monkeypatch):
+    from graphspec import cli
+
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cli.os, "getloadavg", lambda: (1.2, 0.0, 0.0))
+    assert cli.cpu_threads(None) == 1       # one core already busy: one thread (OpenMP barriers stall otherwise)
+    monkeypatch.setattr(cli.os, "getloadavg", lambda: (0.1, 0.0, 0.0))
+    assert cli.cpu_threads(None) == 2
+    monkeypatch.setattr(cli.os, "getloadavg", lambda: (7.0, 0.0, 0.0))
+    assert cli.cpu_threads(None) == 1
+    assert cli.cpu_threads(3) == 3          # --threads wins
