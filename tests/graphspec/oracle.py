@@ -7,6 +7,10 @@ is the ground truth a lossless speculative sampler must reproduce.
 
 ``chi2_pvalue(samples, probs)`` pools categories whose expected count is below 5 (the usual
 validity condition of the chi-square approximation) into one bin.
+
+``sample_first_three(pipe, prompt, params, n)`` runs a pipeline with seeds 0..n-1 and returns the
+first three tokens of every run and the acceptance rate; ``marginal_pvalues`` compares them with
+``exact_marginals``.
 """
 
 from __future__ import annotations
@@ -60,3 +64,23 @@ def chi2_pvalue(samples, probs: torch.Tensor) -> float:
     if len(obs) < 2:
         return 1.0
     return float(stats.chisquare(obs, exp).pvalue)
+
+
+def sample_first_three(pipe, prompt: list[int], params, n: int) -> tuple[np.ndarray, float]:
+    """The first 3 generated tokens of ``n`` seeded runs (seeds 0..n-1, deterministic) and the acceptance rate."""
+    out = np.empty((n, 3), dtype=np.int64)
+    accepted = proposed = 0
+    for seed in range(n):
+        r = pipe.run(prompt, max_new_tokens=3, temperature=params.temperature, top_k=params.top_k,
+                     top_p=params.top_p, seed=seed, ignore_eos=True)
+        out[seed] = r.token_ids
+        accepted += r.stats.accepted
+        proposed += r.stats.proposed
+    return out, accepted / max(proposed, 1)
+
+
+def marginal_pvalues(pipe, prompt: list[int], params, n: int) -> tuple[list[float], float]:
+    """Chi-square p-value of each of the first 3 tokens against the target's exact marginal, and the acceptance."""
+    exact = exact_marginals(pipe.target, prompt, params)
+    samples, rate = sample_first_three(pipe, prompt, params, n)
+    return [chi2_pvalue(samples[:, i], exact[i]) for i in range(3)], rate

@@ -7,14 +7,13 @@ must pass (p > 1e-3 for each token); each known way of breaking losslessness is 
 deliberately broken stage and must be detected (smallest p < 1e-6) by the very same test.
 """
 
-import numpy as np
 import pytest
 import torch
 
 import graphspec
 from graphspec import ModelDrafter, RejectionSampling, SamplingParams, Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
-from tests.graphspec.oracle import chi2_pvalue, exact_marginals
+from tests.graphspec.oracle import marginal_pvalues, sample_first_three
 from tests.graphspec.toy import ToyLM
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -40,21 +39,11 @@ def _draft(offset: float = 0.0):
 
 
 def _sample_runs(pipe, params: SamplingParams, n: int = N_RUNS):
-    out = np.empty((n, 3), dtype=np.int64)
-    accepted = proposed = 0
-    for seed in range(n):
-        r = pipe.run(PROMPT, max_new_tokens=3, temperature=params.temperature, top_k=params.top_k,
-                     top_p=params.top_p, seed=seed, ignore_eos=True)
-        out[seed] = r.token_ids
-        accepted += r.stats.accepted
-        proposed += r.stats.proposed
-    return out, accepted / max(proposed, 1)
+    return sample_first_three(pipe, PROMPT, params, n)
 
 
 def _pvalues(pipe, params):
-    exact = exact_marginals(pipe.target, PROMPT, params)
-    samples, rate = _sample_runs(pipe, params)
-    return [chi2_pvalue(samples[:, i], exact[i]) for i in range(3)], rate
+    return marginal_pvalues(pipe, PROMPT, params, N_RUNS)
 
 
 T1 = SamplingParams(temperature=1.0)

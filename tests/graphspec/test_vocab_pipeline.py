@@ -14,10 +14,8 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 
-import numpy as np
 import pytest
 import tokenizers
 import torch
@@ -29,7 +27,7 @@ from graphspec.models.tokenizer import Tokenizer
 from graphspec.vocab import build_vocab_mapping
 from graphspec.vocab_stages import VocabMap, _DraftText, resolve_mode
 from tests.checkpoints import make_checkpoint
-from tests.graphspec.oracle import chi2_pvalue, exact_marginals
+from tests.graphspec.oracle import marginal_pvalues
 from tests.graphspec.toy import ToyCache, ToyLM
 
 PROMPTS = [
@@ -358,16 +356,7 @@ def _toy_pair():
 
 
 def _marginal_pvalues(pipe, params):
-    exact = exact_marginals(pipe.target, PROMPT, params)
-    samples = np.empty((N_RUNS, 3), dtype=np.int64)
-    accepted = proposed = 0
-    for seed in range(N_RUNS):
-        r = pipe.run(PROMPT, max_new_tokens=3, temperature=params.temperature, top_k=params.top_k,
-                     top_p=params.top_p, seed=seed, ignore_eos=True)
-        samples[seed] = r.token_ids
-        accepted += r.stats.accepted
-        proposed += r.stats.proposed
-    return [chi2_pvalue(samples[:, i], exact[i]) for i in range(3)], accepted / max(proposed, 1)
+    return marginal_pvalues(pipe, PROMPT, params, N_RUNS)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
