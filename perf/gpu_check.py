@@ -260,8 +260,10 @@ def e2e(log, result, device, dry: bool, deadline: float):
         prompt = torch.randint(3, configs["qwen2.5-1.5b"]["vocab_size"], (64,), generator=gen).tolist()
         runs = {}
         for label, pipe in (("autoregressive", graphspec.Pipeline(target)),
-                            ("draft = target, K=4", graphspec.Pipeline(target, draft=target, num_speculative_tokens=4)),
-                            ("draft = target, K=8", graphspec.Pipeline(target, draft=target, num_speculative_tokens=8))):
+                            ("draft = target, K=4", graphspec.Pipeline(target, draft=target, num_speculative_tokens=4,
+                                                                       draft_confidence_threshold=None)),
+                            ("draft = target, K=8", graphspec.Pipeline(target, draft=target, num_speculative_tokens=8,
+                                                                       draft_confidence_threshold=None))):
             if time.time() > deadline:
                 break
             pipe.run(prompt[:8], max_new_tokens=4, ignore_eos=True)  # warm-up
