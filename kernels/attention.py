@@ -127,6 +127,31 @@ def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, acc, m_i, l_i, k_base, v_base, n_idx, n_limit, offs_d, mask_d, q_pos,
+                 stride_kl, stride_kd, stride_vl, stride_vd, qk_scale,
+                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax, shared by the prefill and split-KV kernels.
+
+    Keys ``n_idx`` below ``n_limit`` that query row i may see (``n_idx <= q_pos[i]``) update the running
+    max ``m_i``, sum ``l_i`` and output ``acc`` (base-2 exponentials; ``qk_scale`` folds in log2 e).
+    """
+    mask_n = n_idx < n_limit
+    kt = tl.load(k_base + n_idx[None, :] * stride_kl + offs_d[:, None] * stride_kd,
+                 mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = _dot(q, kt, DOT_FP32, DOT_PRECISION) * qk_scale
+    visible = (n_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + n_idx[:, None] * stride_vl + offs_d[None, :] * stride_vd,
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [B, T, Hq, D]; k, v: [B, L, Hk, D]
     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -162,21 +187,8 @@ def _attn_prefill_kernel(
     # Causal: this tile's last query sees keys up to q_pos[-1]; later key tiles are skipped.
     hi = tl.minimum(L, (L - T) + (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        n_idx = start_n + offs_n
-        mask_n = n_idx < L
-        kt = tl.load(k_base + n_idx[None, :] * stride_kl + offs_d[:, None] * stride_kd,
-                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = _dot(q, kt, DOT_FP32, DOT_PRECISION) * qk_scale
-        visible = (n_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n_idx[:, None] * stride_vl + offs_d[None, :] * stride_vd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, start_n + offs_n, L, offs_d, mask_d, q_pos,
+                                     stride_kl, stride_kd, stride_vl, stride_vd, qk_scale, DOT_FP32, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
@@ -225,21 +237,8 @@ def _attn_split_kernel(
     n_lo = split * split_len
     n_hi = tl.minimum(L, n_lo + split_len)
     for start_n in range(n_lo, n_hi, BLOCK_N):
-        n_idx = start_n + offs_n
-        mask_n = n_idx < n_hi
-        kt = tl.load(k_base + n_idx[None, :] * stride_kl + offs_d[:, None] * stride_kd,
-                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = _dot(q, kt, DOT_FP32, DOT_PRECISION) * qk_scale
-        visible = (n_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n_idx[:, None] * stride_vl + offs_d[None, :] * stride_vd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, start_n + offs_n, n_hi, offs_d, mask_d, q_pos,
+                                     stride_kl, stride_kd, stride_vl, stride_vd, qk_scale, DOT_FP32, DOT_PRECISION)
 
     if DIRECT:
         out = acc / l_i[:, None]

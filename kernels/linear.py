@@ -65,6 +65,27 @@ def _prune_tiled(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
+@triton.jit
+def _dot_k_range(x_rows, w_cols, stride_xk, stride_wk, m_mask, n_mask, offs_k, k_start, k_end,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """sum over k in [k_start, k_end) of x[rows, k] * w[cols, k] as a [BLOCK_M, BLOCK_N] fp32 tile.
+
+    Shared by the tiled and skinny kernels; UPCAST widens operands to fp32 first (the interpreter's bf16
+    ``tl.dot`` is wrong).
+    """
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_end
+        a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+    return acc
+
+
 @triton.autotune(configs=_tiled_configs(), key=["M_BUCKET", "N", "K", "HAS_BIAS"],
                  prune_configs_by={"early_config_prune": _prune_tiled})
 @triton.jit
@@ -104,16 +125,8 @@ def _linear_tiled_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BN]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+    acc = _dot_k_range(x_rows, w_cols, stride_xk, stride_wk, m_mask, n_mask, offs_k, 0, K,
+                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n * stride_b, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -172,16 +185,8 @@ def _linear_skinny_kernel(
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < k_end
-        a = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
+    acc = _dot_k_range(x_rows, w_cols, stride_xk, stride_wk, m_mask, n_mask, offs_k, k_start, k_end,
+                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
 
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
