@@ -105,6 +105,16 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     return _norm_ref(h, weight, eps), h
 
 
+def _rmsnorm_torch(x, weight, eps, residual):
+    # The CPU fast path: the same values as rmsnorm_ref bit for bit (tested), in 2-3 torch ops
+    # instead of ~10. F.rms_norm computes in fp32 and rounds once to x's dtype, which is the
+    # reference's first rounding; a product of two bf16 (or fp16) values is exact in fp32, so
+    # multiplying by the weight in x's dtype rounds exactly where the reference does.
+    h = x if residual is None else x + residual
+    y = torch.nn.functional.rms_norm(h, (h.shape[-1],), eps=float(eps)) * weight
+    return y if residual is None else (y, h)
+
+
 def _rmsnorm_triton(x, weight, eps, residual):
     hdim = x.shape[-1]
     x2 = x.reshape(math.prod(x.shape[:-1]), hdim)
@@ -161,4 +171,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
                              "keep the residual stream in the activation dtype")
     if use_triton(x):
         return _rmsnorm_triton(x, weight, eps, residual)
-    return rmsnorm_ref(x, weight, eps, residual)
+    if weight.dtype != x.dtype:
+        return rmsnorm_ref(x, weight, eps, residual)
+    return _rmsnorm_torch(x, weight, eps, residual)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, use_triton
 
-__all__ = ["rope", "rope_ref", "rope_inv_freq"]
+__all__ = ["rope", "rope_ref", "rope_inv_freq", "rope_tables"]
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -166,6 +166,30 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
     return apply(q), apply(k)
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin ``[B, T, 1, D]`` fp32 for the torch path of :func:`rope`.
+
+    Every layer of a forward rotates at the same positions, so a model computes these once per
+    forward and passes them as ``rope(..., tables=...)``; the Triton kernel ignores them (it
+    computes cos/sin in registers, cheaper than loading them). ``sin`` carries the rotate-half
+    sign: ``cat(-s, s)``.
+    """
+    freqs = positions[..., None].float() * inv_freq.float()  # [B, T, D/2]
+    cos = freqs.cos() * attention_scaling
+    sin = freqs.sin() * attention_scaling
+    return (torch.cat((cos, cos), dim=-1)[:, :, None, :].contiguous(),
+            torch.cat((-sin, sin), dim=-1)[:, :, None, :].contiguous())
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1) written as
+    # cat(x2, x1) * cat(-s, s): the same products and sums as rope_ref, so the same bits (tested).
+    xf = x.float()
+    swapped = xf.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return (xf * cos + swapped * signed_sin).to(x.dtype)
+
+
 def _rope_triton(q, k, positions, inv_freq, attention_scaling):
     bsz, t, hq, d = q.shape
     hk = k.shape[2]
@@ -190,13 +214,15 @@ def _rope_triton(q, k, positions, inv_freq, attention_scaling):
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-         attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+         attention_scaling: float = 1.0, tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply RoPE to queries and keys at per-token positions (out of place).
 
     q: ``[B, T, Hq, D]``; k: ``[B, T, Hk, D]`` (same dtype); positions: ``[B, T]`` int64 (int32 accepted);
     inv_freq: ``[D // 2]`` fp32 (from :func:`rope_inv_freq`). Returns ``(q_out, k_out)`` with
     ``x_out = x * cos(emb) + rotate_half(x) * sin(emb)``, ``emb = cat(f, f)``, ``f = positions * inv_freq``,
-    cos and sin multiplied by ``attention_scaling``.
+    cos and sin multiplied by ``attention_scaling``. ``tables``: optional
+    ``rope_tables(positions, inv_freq, attention_scaling)``, computed once and shared by the layers.
     """
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
@@ -220,4 +246,12 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
         raise ValueError(f"attention_scaling must be a float, got {attention_scaling!r}")
     if use_triton(q):
         return _rope_triton(q, k, positions, inv_freq, attention_scaling)
-    return rope_ref(q, k, positions, inv_freq, attention_scaling)
+    if tables is None:
+        tables = rope_tables(positions, inv_freq, attention_scaling)
+    else:
+        cos, sin = tables
+        for name, tab in (("cos", cos), ("sin", sin)):
+            if tab.shape != (bsz, t, 1, d) or tab.dtype != torch.float32:
+                raise ValueError(f"tables' {name} has {tab.dtype} {tuple(tab.shape)}; expected fp32 "
+                                 f"{(bsz, t, 1, d)}: pass rope_tables(positions, inv_freq, attention_scaling)")
+    return _rotate(q, *tables), _rotate(k, *tables)

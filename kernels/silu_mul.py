@@ -83,4 +83,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"up has dtype {up.dtype} but gate has dtype {gate.dtype}; cast them to one dtype")
     if use_triton(gate):
         return _silu_mul_triton(gate, up)
-    return silu_mul_ref(gate, up)
+    # Torch path: silu_mul_ref's values (tested bit for bit) with one temporary fewer.
+    return torch.nn.functional.silu(gate.float()).mul_(up).to(gate.dtype)

@@ -131,3 +131,22 @@ def test_reference_matches_float64_formula():
 def test_bad_input_raises_value_error_naming_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (3, 17), (2, 5, 300), (300, 1536)])
+def test_torch_path_is_bit_identical_to_reference(shape, dtype):
+    # The CPU path (F.rms_norm, then the weight in x's dtype) must round exactly where the
+    # reference does: rows 1e-3 .. 1e2 in scale, plain, fused, and a strided view.
+    x, residual, weight = _case(shape, dtype)
+    rows = x.numel() // shape[-1]
+    x = (x.float() * torch.logspace(-3, 2, rows).reshape(*shape[:-1], 1)).to(dtype)
+    wide = torch.cat([x, x], dim=-1)[..., 1:shape[-1] + 1]  # same shape, not contiguous
+    with use_backend("torch"):
+        y = rmsnorm(x, weight, 1e-6)
+        y2, h = rmsnorm(x, weight, 1e-5, residual=residual)
+        ys = rmsnorm(wide, weight, 1e-6)
+    assert torch.equal(y, rmsnorm_ref(x, weight, 1e-6))
+    ry2, rh = rmsnorm_ref(x, weight, 1e-5, residual=residual)
+    assert torch.equal(y2, ry2) and torch.equal(h, rh)
+    assert torch.equal(ys, rmsnorm_ref(wide, weight, 1e-6))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graphspec.kernels import use_backend
-from graphspec.kernels.rope import rope, rope_inv_freq, rope_ref
+from graphspec.kernels.rope import rope, rope_inv_freq, rope_ref, rope_tables
 from tests.kernels._compare import assert_close
 
 # Same fp32 angle on both sides; cos/sin differ by ~1 ulp between numpy (interpreter) and torch,
@@ -130,6 +130,25 @@ def test_non_contiguous_inputs(dtype):
     assert_close(k_out, rk, *TOL[dtype], name="strided k")
     assert_close(qt_out, rope_ref(qt, k, pos, inv_freq, scaling)[0], *TOL[dtype], name="transposed q")
     assert torch.equal(qkv[:, :, :hq], q)  # out of place: inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_path_is_bit_identical_to_reference(dtype):
+    # The CPU path rotates with precomputed tables (rope_tables, shared by a forward's layers):
+    # the same products and sums as rope_ref, so the same bits, with or without tables given.
+    b, t, hq, hk, d = 2, 5, 6, 2, 80
+    qkv = torch.randn(b, t, hq + 2 * hk, d).to(dtype)
+    q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hk]
+    pos = _positions(b, t)
+    inv_freq, _ = rope_inv_freq(d, 500000.0, LLAMA3)
+    rq, rk = rope_ref(q, k, pos, inv_freq, 1.25)
+    with use_backend("torch"):
+        for tables in (None, rope_tables(pos, inv_freq, 1.25)):
+            q_out, k_out = rope(q, k, pos, inv_freq, 1.25, tables)
+            assert torch.equal(q_out, rq) and torch.equal(k_out, rk)
+            assert q_out.is_contiguous() and k_out.is_contiguous()
+        with pytest.raises(ValueError, match="rope_tables"):
+            rope(q, k, pos, inv_freq, 1.25, rope_tables(pos[:, :1], inv_freq, 1.25))
 
 
 def test_int32_positions_and_position_zero_is_identity():
