@@ -73,11 +73,14 @@ def build_graph(verify: Stage, drafter: Stage | None = None, acceptance: Stage |
 
 # ------------------------------------------------------------------------------------------ helpers
 
-def _load(model_or_path, what: str, dtype, device, backend):
+def _load(model_or_path, what: str, dtype, device, backend, quantize=None):
     if isinstance(model_or_path, (str, Path)):
         from graphspec.models.loader import load_model
 
-        return load_model(model_or_path, dtype=dtype, device=device or "cpu", backend=backend)
+        return load_model(model_or_path, dtype=dtype, device=device or "cpu", backend=backend, quantize=quantize)
+    if quantize is not None:
+        raise ValueError(f"draft_quantize={quantize!r} applies when the pipeline loads the draft (a path or zoo "
+                         f"name); this draft is already loaded: load it with load_model(..., quantize={quantize!r})")
     for attr in ("step", "new_cache", "config", "device"):
         if not hasattr(model_or_path, attr):
             raise ValueError(f"{what} must be a checkpoint directory, a zoo name or a loaded graphspec model; "
@@ -197,12 +200,15 @@ class Pipeline:
     ``sync_timing``: synchronise the device around stage timers (default: on CUDA).
     ``draft_confidence_threshold``: a model draft stops early in a step once its own probability of the
     token it proposed falls below this (lossless: the count depends only on the draft); None: always K.
+    ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
+    a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
                  max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
                  sync_timing: bool | None = None,
-                 draft_confidence_threshold: float | None = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD):
+                 draft_confidence_threshold: float | None = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
+                 draft_quantize: str | None = None):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
         threshold = check_confidence_threshold(draft_confidence_threshold)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
@@ -213,6 +219,9 @@ class Pipeline:
 
         drafter: Stage | None
         between: list[Stage] = []
+        if draft_quantize is not None and (draft is None or isinstance(draft, Stage) or draft == "ngram"):
+            raise ValueError(f"draft_quantize={draft_quantize!r} needs a model draft (a path or zoo name), "
+                             f"got draft={draft!r}")
         if draft is None:
             drafter = None
         elif isinstance(draft, Stage):
@@ -220,7 +229,7 @@ class Pipeline:
         elif isinstance(draft, str) and draft == "ngram":
             drafter = NgramDrafter(max_ngram=max_ngram)
         else:
-            self.draft = _load(draft, "draft", dtype, device or self.target.device, backend)
+            self.draft = _load(draft, "draft", dtype, device or self.target.device, backend, draft_quantize)
             if torch.device(self.draft.device) != torch.device(self.target.device):
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")

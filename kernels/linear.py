@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 
 import torch
 import triton
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, interpreter_enabled, use_triton
 
-__all__ = ["PackedWeight", "linear", "linear_ref", "prepare_weight"]
+__all__ = ["Int8Weight", "PackedWeight", "linear", "linear_ref", "prepare_weight", "quantize_weight"]
 
 SKINNY_MAX_M = 16
 """Rows up to this count take the skinny (memory-bound) kernel; tl.dot needs 16 rows anyway."""
@@ -373,8 +374,87 @@ def _linear_packed(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | N
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
     # oneDNN reads the bias as contiguous whatever its strides (measured: wrong values otherwise).
     b = bias.contiguous() if bias is not None else None
-    y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, b, "none", [], "")
+    if x2.shape[0] == 1 and SINGLE_ROW_PAD > 1:
+        y = torch.ops.mkldnn._linear_pointwise(x2.expand(SINGLE_ROW_PAD, k), weight.packed, b, "none", [], "")[:1]
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, b, "none", [], "")
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+SINGLE_ROW_PAD = 4
+"""A one-row product on a packed weight runs as this many rows (the row repeated), for two reasons
+measured on the 2-core AVX-512 machines (perf/RESULTS.md). Exactness: for many weights (wide N
+like an lm_head or a fused gate/up, long K like a down projection) oneDNN runs one row on another
+kernel than 2..16 rows, and sums it in another order, while 2..16 rows agree bit for bit; a
+speculative verify runs K+1 rows and a decode step one, so without this a bf16 near-tie flips and
+speculative output drifts from autoregressive. Speed: its 4-row kernel reads the weight faster than
+its 1-row one (Qwen2.5-1.5B step, 1 thread: bf16 235 -> 196-205 ms, fp32 461 -> 372 ms; 2 threads
+bf16 168 -> 144 ms), while 2 rows is the slowest. 1 turns it off (perf/cpu_step.py --single-row-pad)."""
+
+
+class Int8Weight:
+    """A ``[N, K]`` weight rounded to int8 per output row, for a *draft* model on the CPU.
+
+    Made by :func:`quantize_weight`. ``linear`` then quantizes ``x`` to 8 bits per call (one scale
+    per call, from its range) and runs torch's int8 GEMM (``quantized.linear_dynamic``, fbgemm /
+    x86 engine), accumulating in int32: a quarter of an fp32 weight's bytes and half of bf16's.
+    The result is approximate (about 1% relative error per product), which is fine for a draft
+    (speculative decoding stays lossless whatever the draft computes) and wrong for a target:
+    ``Pipeline`` never quantizes a target. ``dense()`` gives the dequantized fp32 values.
+    """
+
+    __slots__ = ("packed", "shape", "dtype", "device")
+
+    def __init__(self, packed, shape: torch.Size, dtype: torch.dtype):
+        self.packed = packed  # fbgemm's packed int8 weight
+        self.shape = torch.Size(shape)
+        self.dtype = dtype  # the activations' dtype: linear takes and returns it
+        self.device = torch.device("cpu")
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def dense(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+
+    def __repr__(self) -> str:
+        return f"Int8Weight(shape={tuple(self.shape)}, activations={self.dtype})"
+
+
+def quantize_weight(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-row int8 rounding of a CPU ``[N, K]`` weight (scale = max |row| / 127).
+
+    For draft models only (see :class:`Int8Weight`). Errors, rather than falling back, where
+    torch has no int8 CPU GEMM or the weight is not on the CPU.
+    """
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    if weight.device.type != "cpu":
+        raise ValueError(f"int8 weights are a CPU path, but the weight is on {weight.device}; "
+                         "load the draft without quantize on a GPU")
+    engines = torch.backends.quantized.supported_engines
+    if not {"x86", "fbgemm"} & set(engines) or not hasattr(torch.ops.quantized, "linear_dynamic"):
+        raise ValueError(f"this torch build has no int8 CPU GEMM (quantized engines: {engines}); "
+                         "load the draft without quantize")
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    with warnings.catch_warnings():
+        # torch 2.13 marks its quantized tensor constructors as deprecated (pytorch#184982); they are
+        # the only entry to its int8 GEMM, and torch is pinned, so the warning is not the user's.
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.int64), 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(q, None)
+    return Int8Weight(packed, weight.shape, weight.dtype)
+
+
+def _linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    x2 = x.reshape(-1, weight.shape[1]).float()
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    y = torch.ops.quantized.linear_dynamic(x2, weight.packed, False)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -391,11 +471,12 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dimension ([..., K]), got a 0-d tensor")
-    packed = isinstance(weight, PackedWeight)
+    packed = isinstance(weight, (PackedWeight, Int8Weight))
     if not packed:
         check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     elif x.device != weight.device:
-        raise ValueError(f"weight is a CPU PackedWeight but x is on {x.device}; prepare weights on x's device")
+        raise ValueError(f"weight is a CPU {type(weight).__name__} but x is on {x.device}; prepare weights on "
+                         "x's device")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight has dtype {weight.dtype} but x has dtype {x.dtype}; load the model in one dtype")
     if weight.shape[1] != x.shape[-1]:
@@ -409,9 +490,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
             raise ValueError(f"bias has {bias.shape[0]} elements but weight has N={weight.shape[0]} rows")
     if packed:
         if use_triton(x):
-            raise ValueError("weight is a PackedWeight (oneDNN layout for the CPU torch path) but the Triton "
-                             "backend is requested; load the model with backend='triton' (weights stay plain) "
-                             "or use backend='torch'")
+            raise ValueError(f"weight is a {type(weight).__name__} (a layout for the CPU torch path) but the "
+                             "Triton backend is requested; load the model with backend='triton' (weights stay "
+                             "plain, no quantize) or use backend='torch'")
+        if isinstance(weight, Int8Weight):
+            return _linear_int8(x, weight, bias)
         return _linear_packed(x, weight, bias)
     if use_triton(x):
         return _linear_triton(x, weight, bias)

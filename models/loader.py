@@ -25,7 +25,7 @@ import torch
 from graphspec.kernels._dispatch import FLOAT_DTYPES
 from graphspec.models.config import ModelConfig
 from graphspec.models.tokenizer import Tokenizer
-from graphspec.models.transformer import Layer, Transformer
+from graphspec.models.transformer import Layer, Transformer, check_quantize
 
 INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -39,11 +39,13 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_model(path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-               backend: str | None = None) -> Transformer:
+               backend: str | None = None, quantize: str | None = None) -> Transformer:
     """Load a Llama/Qwen2/Mistral checkpoint directory (or zoo name) onto ``device``.
 
     dtype: torch.float32 / bfloat16 / float16 or their names; None uses the checkpoint's.
     backend: None (dispatch by device), "torch" or "triton": pinned for this model's forward.
+    quantize: None, or "int8" for a draft model on the CPU (int8 GEMM weights, activations in
+    ``dtype``; approximate: see ``Transformer``).
     """
     directory = _resolve(path)
     config = ModelConfig.from_file(directory / "config.json")
@@ -51,10 +53,11 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     device = torch.device(device)
     if backend not in (None, "auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
+    check_quantize(quantize, backend, device)
 
     tensors = read_safetensors(directory, expected_shapes(config), dtype, device)
     tokenizer = Tokenizer.from_dir(directory) if (directory / "tokenizer.json").is_file() else None
-    return build(config, tensors, tokenizer=tokenizer, backend=backend)
+    return build(config, tensors, tokenizer=tokenizer, backend=backend, quantize=quantize)
 
 
 def _resolve(path) -> Path:
@@ -110,7 +113,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build(config: ModelConfig, t: dict[str, torch.Tensor], tokenizer=None, backend=None) -> Transformer:
+def build(config: ModelConfig, t: dict[str, torch.Tensor], tokenizer=None, backend=None,
+          quantize=None) -> Transformer:
     """Assemble a Transformer from HF-named tensors (already checked, converted and on their device)."""
     layers = []
     for n in range(config.num_hidden_layers):
@@ -132,7 +136,7 @@ def build(config: ModelConfig, t: dict[str, torch.Tensor], tokenizer=None, backe
     embed = t.pop("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else t.pop("lm_head.weight")
     return Transformer(config, embed, layers, t.pop("model.norm.weight"), lm_head, tokenizer=tokenizer,
-                       backend=backend)
+                       backend=backend, quantize=quantize)
 
 
 # --- safetensors -----------------------------------------------------------------------------------------------

@@ -10,9 +10,13 @@
   the lm_head) then goes through ``kernels.linear.prepare_weight`` once: the kernels side picks
   the layout its ``linear`` runs fastest with (oneDNN-packed on CPU, unchanged on CUDA), so this
   file never knows which it got.
-- RoPE: HF rotate-half convention, cos/sin from ``positions * inv_freq`` in fp32.
+- RoPE: HF rotate-half convention, cos/sin from ``positions * inv_freq`` in fp32, computed once
+  per forward (``rope_tables``) and shared by every layer.
 - Only the rows asked for (``logits_for``) go through the final norm and the lm_head: a
   prefill needs one row, a draft step one row, a verify K+1 rows. Logits come back in fp32.
+- ``quantize="int8"`` (draft models on a CPU): every GEMM weight and the lm_head is rounded to
+  int8 per output row and run by torch's int8 GEMM (``kernels.linear.quantize_weight``); a
+  bandwidth-bound draft step reads half the bytes of bf16. Approximate, so never for a target.
 - Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
   Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
 - A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
@@ -28,9 +32,9 @@ import torch.nn.functional as F
 
 from graphspec.kernels._dispatch import use_backend
 from graphspec.kernels.attention import attention
-from graphspec.kernels.linear import PackedWeight, linear, prepare_weight
+from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.rmsnorm import rmsnorm
-from graphspec.kernels.rope import rope, rope_inv_freq
+from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
 from graphspec.kernels.silu_mul import silu_mul
 from graphspec.models.config import ModelConfig
 from graphspec.models.kv_cache import KVCache
@@ -39,22 +43,35 @@ from graphspec.models.kv_cache import KVCache
 @dataclasses.dataclass
 class Layer:
     input_norm: torch.Tensor  # [H]
-    wqkv: torch.Tensor | PackedWeight  # [(Hq + 2 Hk) * D, H]
+    wqkv: torch.Tensor | PackedWeight | Int8Weight  # [(Hq + 2 Hk) * D, H]
     bqkv: torch.Tensor | None  # [(Hq + 2 Hk) * D]
-    wo: torch.Tensor | PackedWeight  # [H, Hq * D]
+    wo: torch.Tensor | PackedWeight | Int8Weight  # [H, Hq * D]
     bo: torch.Tensor | None  # [H]
     post_norm: torch.Tensor  # [H]
-    w13: torch.Tensor | PackedWeight  # [2 * I, H]: gate rows then up rows
-    w2: torch.Tensor | PackedWeight  # [H, I]
+    w13: torch.Tensor | PackedWeight | Int8Weight  # [2 * I, H]: gate rows then up rows
+    w2: torch.Tensor | PackedWeight | Int8Weight  # [H, I]
+
+
+QUANTIZE_MODES = (None, "int8")
+
+
+def check_quantize(quantize, backend, device) -> None:
+    """``quantize`` must be None or "int8", and int8 needs the CPU torch path (it is for drafts)."""
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize={quantize!r} is not one of {QUANTIZE_MODES}")
+    if quantize and (backend == "triton" or torch.device(device).type != "cpu"):
+        raise ValueError(f"quantize={quantize!r} runs torch's int8 CPU GEMM; it cannot run on {device} with "
+                         f"backend={backend!r}: load this model without quantize")
 
 
 class Transformer:
     """Weights of one Llama-family model plus the forward pass over them."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
-                 lm_head: torch.Tensor, tokenizer=None, backend: str | None = None):
+                 lm_head: torch.Tensor, tokenizer=None, backend: str | None = None, quantize: str | None = None):
         if backend not in (None, "auto", "torch", "triton"):
             raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
+        check_quantize(quantize, backend, embed.device)
         self.config = config
         self.embed = embed  # [V, H]
         self.layers = layers
@@ -63,6 +80,7 @@ class Transformer:
         self.lm_head = lm_head
         self.tokenizer = tokenizer
         self.backend = backend
+        self.quantize = quantize
         inv_freq, self.rope_attention_scaling = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.inv_freq = inv_freq.to(embed.device)  # [D/2] fp32
         self.scale = config.head_dim ** -0.5
@@ -70,13 +88,14 @@ class Transformer:
 
     def _prepare_weights(self) -> None:
         # Under this model's backend: a model pinned to Triton keeps plain tensors.
+        prepare = quantize_weight if self.quantize == "int8" else prepare_weight
         with use_backend(self.backend):
             for layer in self.layers:
-                layer.wqkv = prepare_weight(layer.wqkv)
-                layer.wo = prepare_weight(layer.wo)
-                layer.w13 = prepare_weight(layer.w13)
-                layer.w2 = prepare_weight(layer.w2)
-            self.lm_head = prepare_weight(self.lm_head)
+                layer.wqkv = prepare(layer.wqkv)
+                layer.wo = prepare(layer.wo)
+                layer.w13 = prepare(layer.w13)
+                layer.w2 = prepare(layer.w2)
+            self.lm_head = prepare(self.lm_head)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,7 +113,7 @@ class Transformer:
         c = self.config
         return (f"Transformer({c.architecture}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
                 f"heads={c.num_attention_heads}/{c.num_key_value_heads}, vocab={c.vocab_size}, dtype={self.dtype}, "
-                f"device={self.device}, backend={self.backend})")
+                f"device={self.device}, backend={self.backend}" + (f", quantize={self.quantize})" if self.quantize else ")"))
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
         """A KV cache for ``batch_size`` sequences of up to ``max_seq_len`` positions each."""
@@ -180,10 +199,11 @@ class Transformer:
         with use_backend(self.backend), torch.no_grad():
             x = F.embedding(ids, self.embed)  # [B, T, H]
             h = x
+            tables = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)
             normed = rmsnorm(x, self.layers[0].input_norm, c.rms_norm_eps)
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                a = self._attention(i, layer, normed, positions, cache)
+                a = self._attention(i, layer, normed, positions, tables, cache)
                 normed, h = rmsnorm(a, layer.post_norm, c.rms_norm_eps, residual=h)  # h = h + attn(norm(h))
                 m = self._mlp(layer, normed)
                 if i < last:
@@ -194,14 +214,14 @@ class Transformer:
             out, _ = rmsnorm(m, self.norm, c.rms_norm_eps, residual=h)
             return linear(out, self.lm_head).float()  # [B, n, V]
 
-    def _attention(self, i: int, layer: Layer, x, positions, cache) -> torch.Tensor:
+    def _attention(self, i: int, layer: Layer, x, positions, tables, cache) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qkv = linear(x, layer.wqkv, layer.bqkv)  # [B, T, (Hq + 2 Hk) * D]
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(b, t, hq, d), k.view(b, t, hk, d), v.view(b, t, hk, d)
-        q, k = rope(q, k, positions, self.inv_freq, self.rope_attention_scaling)
+        q, k = rope(q, k, positions, self.inv_freq, self.rope_attention_scaling, tables)
         if cache is not None:
             k, v = cache.append(i, k, v)  # [B, length + T, Hk, D] views of the cache
         o = attention(q, k, v, self.scale)  # [B, T, Hq, D]

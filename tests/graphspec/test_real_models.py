@@ -55,6 +55,42 @@ def test_greedy_speculative_equals_autoregressive_on_transformers(dirs, models):
             assert ngram.token_ids == ref, (k, prompt)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype):
+    """An int8 draft (kernels.linear.Int8Weight) proposes other tokens than its bf16/fp32 self, but the
+    output is the target's: greedy token-exact in fp32 and, since verify rows round like one-token
+    steps, in bf16 too."""
+    target_dir, other_dir = dirs
+    target = graphspec.load_model(target_dir, dtype=dtype)
+    tok = target.tokenizer
+    prompts = [tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4), tok.encode("The")[:1]]
+    int8_draft = graphspec.load_model(target_dir, dtype=dtype, quantize="int8")  # the target itself, rounded
+    assert "quantize=int8" in repr(int8_draft)
+    for prompt in prompts:
+        ref = graphspec.Pipeline(target).run(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        for draft in (int8_draft, str(other_dir)):
+            kw = {"draft_quantize": "int8"} if isinstance(draft, str) else {}
+            out = graphspec.Pipeline(target, draft, num_speculative_tokens=4, dtype=dtype, **kw).run(
+                prompt, max_new_tokens=24, ignore_eos=True)
+            assert out.token_ids == ref, (draft, prompt)
+        # a rounded copy of the target agrees with it almost always, but not by construction
+        same = graphspec.Pipeline(target, int8_draft, num_speculative_tokens=4, draft_confidence_threshold=None)
+        assert same.run(prompt, max_new_tokens=24, ignore_eos=True).stats.acceptance_rate > 0.5
+
+
+def test_draft_quantize_is_checked(dirs, models):
+    target_dir, other_dir = dirs
+    target, other = models
+    with pytest.raises(ValueError, match="already loaded"):
+        graphspec.Pipeline(target, other, draft_quantize="int8")
+    with pytest.raises(ValueError, match="needs a model draft"):
+        graphspec.Pipeline(target, "ngram", draft_quantize="int8")
+    with pytest.raises(ValueError, match="quantize='int4'"):
+        graphspec.Pipeline(target, str(other_dir), draft_quantize="int4")
+    with pytest.raises(ValueError, match="without quantize"):
+        graphspec.load_model(other_dir, quantize="int8", backend="triton")
+
+
 def test_paths_load_like_models_and_match_transformers(dirs, models):
     transformers = pytest.importorskip("transformers")
     target_dir, other_dir = dirs
@@ -92,11 +128,13 @@ def tiny_vocab(tmp_path_factory):
                         kv_heads=2, seed=0)
     d = make_checkpoint(root / "d", "mistral", tokenizer=None, vocab_size=32, hidden_size=16, layers=1, heads=2,
                         kv_heads=1, seed=3)
-    return graphspec.load_model(t), graphspec.load_model(d)
+    return graphspec.load_model(t), graphspec.load_model(d), graphspec.load_model(d, quantize="int8")
 
 
-def test_sampling_on_transformers_matches_the_exact_distribution(tiny_vocab):
-    target, draft = tiny_vocab
+@pytest.mark.parametrize("quantized", [False, True], ids=["draft", "int8-draft"])
+def test_sampling_on_transformers_matches_the_exact_distribution(tiny_vocab, quantized):
+    target, plain_draft, int8_draft = tiny_vocab
+    draft = int8_draft if quantized else plain_draft
     prompt = [3]  # a one-token prompt: no prefill forwards, so 2000 runs stay cheap
     params = SamplingParams(temperature=0.7, top_k=12)
     exact = exact_marginals(target, prompt, params)

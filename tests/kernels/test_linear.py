@@ -1,12 +1,16 @@
 """linear: the Triton kernels (tiled and skinny/split-K, run by Triton's interpreter) against linear_ref."""
 
+import importlib
+
 import pytest
 import torch
 
 from graphspec.kernels import use_backend
-from graphspec.kernels.linear import (SKINNY_MAX_M, PackedWeight, _can_pack, _choose_split_k, _linear_triton, linear,
-                                      linear_ref, prepare_weight)
+from graphspec.kernels.linear import (SKINNY_MAX_M, Int8Weight, PackedWeight, _can_pack, _choose_split_k,
+                                      _linear_triton, linear, linear_ref, prepare_weight, quantize_weight)
 from tests.kernels._compare import assert_close
+
+linear_mod = importlib.import_module("graphspec.kernels.linear")  # the package re-exports `linear` the function
 
 # Both paths accumulate exactly-representable products in fp32 and differ only in summation
 # order (~1e-6 relative here) and in the final rounding: the interpreter truncates fp32 -> bf16
@@ -186,3 +190,64 @@ def test_every_rows_hint_gives_the_same_product(rows_hint):
     x, w, b = _inputs(5, 96, 77, torch.float32)
     y = linear(x, prepare_weight(w, rows_hint=rows_hint), b)
     assert_close(y, linear_ref(x, w, b), *TOL[torch.float32], name=f"packed rows_hint={rows_hint}")
+
+
+@needs_pack
+@pytest.mark.parametrize("dtype", PACK_DTYPES)
+def test_packed_rows_are_bit_identical_whatever_the_row_count(dtype, monkeypatch):
+    """Row i of an M-row product equals the one-row product of that row, for M = 1..16.
+
+    A decode step multiplies one row, a speculative verify K+1: greedy speculative output can only
+    equal autoregressive output bit for bit if those agree. oneDNN runs one row on another kernel
+    for some weights (this one-wide N, long K shape among them on the AVX-512 machines), so
+    ``linear`` pads one-row products to SINGLE_ROW_PAD rows.
+    """
+    g = torch.Generator().manual_seed(0)
+    mismatches, default = {}, linear_mod.SINGLE_ROW_PAD
+    for pad in (default, 1):
+        monkeypatch.setattr(linear_mod, "SINGLE_ROW_PAD", pad)
+        mismatches[pad] = 0
+        for n, k in ((896, 4864), (4000, 600), (77, 130)):
+            w = prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
+            x = torch.randn(16, k, generator=g).to(dtype)
+            full = linear(x, w)
+            for m in range(1, 17):
+                part = linear(x[:m], w)
+                mismatches[pad] += sum(not torch.equal(part[i], full[i]) for i in range(m))
+    assert mismatches[default] == 0
+    if mismatches[1] == 0:
+        pytest.skip("this CPU's oneDNN rounds one row like several: the padding is not needed here")
+
+
+INT8_REL = 0.03  # per-row int8 weights and per-call 8-bit activations: ~1% relative error, bounded at 3%
+
+
+def _rel_err(y, ref):
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_int8_weight_approximates_reference(m, dtype):
+    x, w, b = _inputs(m, 130, 423, dtype, bias=(m != 3))
+    qw = quantize_weight(w)
+    assert isinstance(qw, Int8Weight) and qw.shape == w.shape and qw.dtype == dtype
+    y = linear(x, qw, b)
+    assert y.dtype == dtype and y.shape == (m, 423)
+    assert _rel_err(y, linear_ref(x.float(), w.float(), None if b is None else b.float())) < INT8_REL
+    # the stored weight is the per-row rounding of w: within half a step (max|row| / 254) of it
+    step = w.float().abs().amax(dim=1, keepdim=True) / 127
+    assert ((qw.dense() - w.float()).abs() <= step / 2 + 1e-6).all()
+    assert linear(torch.randn(2, 0, 130).to(dtype), qw).shape == (2, 0, 423)
+
+
+def test_int8_weight_refuses_what_it_cannot_run():
+    qw = quantize_weight(torch.randn(8, 4))
+    with use_backend("triton"), pytest.raises(ValueError, match="Int8Weight"):
+        linear(torch.randn(2, 4), qw)
+    with pytest.raises(ValueError, match="K must match"):
+        linear(torch.randn(2, 5), qw)
+    with pytest.raises(ValueError, match="dtype"):
+        linear(torch.randn(2, 4).bfloat16(), qw)
+    with pytest.raises(ValueError, match="CPU path"):
+        quantize_weight(torch.randn(8, 4, device="meta"))

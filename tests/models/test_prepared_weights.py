@@ -53,3 +53,39 @@ def test_verify_rows_give_the_greedy_tokens_of_single_steps(ckpt):
     cache.truncate(7)
     verify = m.step(torch.tensor([greedy]), cache, logits_for="all")  # all 8 rows in one forward
     assert verify.argmax(-1)[0, :-1].tolist() == greedy[1:]
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory):
+    # Qwen2.5-0.5B's MLP shapes (a [896, 4864] down projection), where oneDNN sums one row in another order
+    # than several unless linear pads it.
+    return make_checkpoint(tmp_path_factory.mktemp("wide"), "qwen2", tokenizer=None, hidden_size=896,
+                           intermediate_size=4864, layers=1, heads=14, kv_heads=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_are_bit_identical_to_single_steps(wide_ckpt, dtype, monkeypatch):
+    """Each row of a K+1-token verify equals the one-token step at that position, bit for bit.
+
+    This is what makes greedy speculative output equal autoregressive output in bf16 too
+    (kernels.linear.SINGLE_ROW_PAD; the CPU attention path runs verify rows one by one).
+    """
+    import importlib
+
+    linear_mod = importlib.import_module("graphspec.kernels.linear")
+    m = load_model(wide_ckpt, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, m.config.vocab_size, (1, 9), generator=g)
+    block = torch.randint(0, m.config.vocab_size, (1, 6), generator=g)
+    differing, default = {}, linear_mod.SINGLE_ROW_PAD
+    for pad in (default, 1):
+        monkeypatch.setattr(linear_mod, "SINGLE_ROW_PAD", pad)
+        cache = m.new_cache(64)
+        m.step(prompt, cache, logits_for=torch.empty(0, dtype=torch.long))
+        steps = torch.cat([m.step(block[:, j:j + 1], cache) for j in range(block.shape[1])], dim=1)
+        cache.truncate(prompt.shape[1])
+        verify = m.step(block, cache)
+        differing[pad] = sum(not torch.equal(steps[0, j], verify[0, j]) for j in range(block.shape[1]))
+    assert differing[default] == 0, differing
+    if differing[1] == 0:
+        pytest.skip("one-row and several-row products round alike on this CPU: nothing to show")
