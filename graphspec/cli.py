@@ -85,6 +85,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
     p.add_argument("--draft-quantize", default="auto", choices=["auto", "int8", "none"],
                    help="draft model weights: int8 (CPU only; a cheaper draft, output unchanged) or as --dtype; "
                         "auto = int8 on a CPU")
+    p.add_argument("--draft-vocab", type=_positive_int, default=None, metavar="N",
+                   help="prune the draft's vocabulary to its N lowest ids plus special tokens (a cheaper draft "
+                        "lm_head; output unchanged); default: the whole vocabulary")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
                    help="a model draft stops proposing once it gives its own token less than P "
                         "(default 0.4; 'none' always drafts K)")
@@ -231,14 +234,19 @@ def _pipelines(args):
     return target, draft, graphspec
 
 
-def _confidence_kw(args) -> dict:
-    return {"draft_confidence_threshold": args.draft_confidence} if hasattr(args, "draft_confidence") else {}
+def _draft_kw(args) -> dict:
+    kw = {"draft_confidence_threshold": args.draft_confidence} if hasattr(args, "draft_confidence") else {}
+    if args.draft_vocab is not None:
+        if args.draft is None or args.draft == "ngram":
+            raise CLIError("--draft-vocab prunes a model draft's vocabulary; give --draft a model")
+        kw["draft_vocab"] = args.draft_vocab
+    return kw
 
 
 def _cmd_run(args) -> int:
     target, draft, graphspec = _pipelines(args)
     pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
-                              **_confidence_kw(args))
+                              **_draft_kw(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
@@ -319,7 +327,7 @@ def _cmd_bench(args) -> int:
     k = max(args.k, args.max_k)
     base = graphspec.Pipeline(target)
     spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping,
-                              **_confidence_kw(args))
+                              **_draft_kw(args))
     has_template = getattr(target.tokenizer, "has_chat_template", False)
 
     def as_prompt(item):

@@ -28,7 +28,7 @@ import torch
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
-__all__ = ["ModelDrafter", "NgramDrafter"]
+__all__ = ["DraftHead", "ModelDrafter", "NgramDrafter", "draft_vocab_ids"]
 
 DRAFT_READS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 DRAFT_WRITES = ("draft_ids", "draft_probs")
@@ -76,18 +76,98 @@ def start_cache(model, state):
     return cache, int(len(state.tokens) > 1)
 
 
+def draft_vocab_ids(model, keep) -> torch.Tensor | None:
+    """The draft vocabulary ids a pruned draft head keeps (sorted int64), or None to keep them all.
+
+    ``keep``: an int n, the ids below n plus every special or added token of the model's tokenizer
+    and its eos/bos ids (a byte-level BPE vocabulary lists tokens in merge order, and merges follow
+    their frequency in the tokenizer's training text, so the lowest ids are the most common
+    tokens); or an explicit collection of ids (say, the ids seen in a corpus). None (or n at least
+    the vocabulary size) keeps everything.
+    """
+    if keep is None:
+        return None
+    vocab = model.config.vocab_size
+    if isinstance(keep, bool):
+        raise ValueError(f"draft_vocab must be None, a positive int or a collection of token ids, got {keep!r}")
+    if isinstance(keep, int):
+        if keep < 1:
+            raise ValueError(f"draft_vocab={keep}; keep at least one token id (or None for the whole vocabulary)")
+        if keep >= vocab:
+            return None
+        extra: set[int] = set(model.config.eos_token_ids)
+        if model.config.bos_token_id is not None:
+            extra.add(model.config.bos_token_id)
+        tok = getattr(model, "tokenizer", None)
+        if tok is not None:
+            extra.update(tok.special_ids)
+            extra.update(tok.eos_token_ids)
+            extra.update(tok.backend.get_added_tokens_decoder())
+        ids = sorted(set(range(keep)) | {i for i in extra if 0 <= i < vocab})
+        return torch.tensor(ids, dtype=torch.int64)
+    try:
+        ids = sorted({int(i) for i in keep})
+    except (TypeError, ValueError):
+        raise ValueError(f"draft_vocab must be None, a positive int or a collection of int token ids, got "
+                         f"{type(keep).__name__}") from None
+    if not ids or ids[0] < 0 or ids[-1] >= vocab:
+        raise ValueError(f"draft_vocab ids must be a non-empty collection in [0, {vocab}), got "
+                         f"{len(ids)} ids" + (f" in [{ids[0]}, {ids[-1]}]" if ids else ""))
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+class DraftHead:
+    """A draft's logits over part of its vocabulary (draft vocabulary pruning).
+
+    The lm_head of a small draft is a large share of what a draft step reads (Qwen2.5-0.5B: 136M of
+    its 494M parameters); keeping only ``ids`` computes ``len(ids)`` logits and leaves the rest at
+    -inf, so the draft never proposes them. Lossless whatever is kept: the draft only proposes,
+    and when sampling, q is the draft's (renormalised) distribution over the kept ids, which is
+    what rejection sampling divides by.
+    """
+
+    def __init__(self, model, ids: torch.Tensor):
+        self.ids = ids.to(model.device)  # sorted int64, from draft_vocab_ids
+        self.width = model.config.vocab_size
+        self.weight = model.head_rows(self.ids)
+
+    @classmethod
+    def build(cls, model, keep) -> "DraftHead | None":
+        """The head keeping ``draft_vocab_ids(model, keep)``, or None when that is the whole vocabulary."""
+        ids = draft_vocab_ids(model, keep)
+        return None if ids is None else cls(model, ids)
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    def logits(self, model, new: torch.Tensor, cache) -> torch.Tensor:
+        """The next-token logits ``[1, V]`` fp32 after feeding ``new``, -inf outside the kept ids."""
+        part = model.step(new, cache, logits_for="last", head=self.weight)[:, -1]  # [1, n]
+        full = part.new_full((1, self.width), float("-inf"))
+        return full.index_copy_(1, self.ids, part)
+
+
+def next_logits(model, head: DraftHead | None, new: torch.Tensor, cache) -> torch.Tensor:
+    """One draft forward: feed ``new`` and return the last position's logits ``[1, V]`` fp32."""
+    if head is None:
+        return model.step(new, cache, logits_for="last")[:, -1]
+    return head.logits(model, new, cache)
+
+
 class ModelDrafter(Stage):
     """Draft with a (smaller) language model that shares the target's vocabulary."""
 
     reads = DRAFT_READS
     writes = DRAFT_WRITES
 
-    def __init__(self, model, name: str = "draft", confidence_threshold: float | None = None):
+    def __init__(self, model, name: str = "draft", confidence_threshold: float | None = None, draft_vocab=None):
         super().__init__(name)
         for attr in ("step", "new_cache", "config"):
             if not hasattr(model, attr):
                 raise ValueError(f"ModelDrafter needs a graphspec model (with .{attr}); got {type(model).__name__}")
         self.model = model
+        # draft vocabulary pruning (see DraftHead); None computes every logit
+        self.head = DraftHead.build(model, draft_vocab)
         # Stop drafting early once the draft itself gives its proposal less than this probability:
         # such tokens are rarely accepted, and each costs a draft forward (None: always draft K).
         self.confidence_threshold = check_confidence_threshold(confidence_threshold)
@@ -122,7 +202,7 @@ class ModelDrafter(Stage):
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            logits = self.model.step(new, cache, logits_for="last")[:, -1, :V]  # [1, <=V] fp32
+            logits = next_logits(self.model, self.head, new, cache)[:, :V]  # [1, <=V] fp32
             run.draft_forwards += 1
             tok, q = self.draw(logits, state.params, state.generator)
             ids.append(tok)

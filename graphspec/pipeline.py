@@ -103,7 +103,8 @@ def _same_vocabulary(target, draft) -> bool:
     return tt.get_vocab() == dt.get_vocab()
 
 
-def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = None) -> tuple[Stage, Stage] | None:
+def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = None,
+                 draft_vocab=None) -> tuple[Stage, Stage] | None:
     """``(drafter, map stage)`` for a draft with another tokenizer, or None when they share one.
 
     The single hook for cross-vocabulary drafting (``graphspec.vocab_stages``): the drafter keeps
@@ -123,7 +124,7 @@ def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = 
                          f"vocab_mapping='none' if they share one vocabulary")
     from graphspec.vocab_stages import vocab_stages
 
-    return vocab_stages(target, draft, mode, confidence_threshold=confidence_threshold)
+    return vocab_stages(target, draft, mode, confidence_threshold=confidence_threshold, draft_vocab=draft_vocab)
 
 
 def _check_positive_int(name: str, v, minimum: int = 1) -> int:
@@ -202,13 +203,15 @@ class Pipeline:
     token it proposed falls below this (lossless: the count depends only on the draft); None: always K.
     ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
     a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
+    ``draft_vocab``: prune a model draft's vocabulary to its ``n`` lowest ids (plus special tokens) or to
+    given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
                  max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
                  sync_timing: bool | None = None,
                  draft_confidence_threshold: float | None = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
-                 draft_quantize: str | None = None):
+                 draft_quantize: str | None = None, draft_vocab=None):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
         threshold = check_confidence_threshold(draft_confidence_threshold)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
@@ -219,9 +222,12 @@ class Pipeline:
 
         drafter: Stage | None
         between: list[Stage] = []
-        if draft_quantize is not None and (draft is None or isinstance(draft, Stage) or draft == "ngram"):
+        model_draft = not (draft is None or isinstance(draft, Stage) or (isinstance(draft, str) and draft == "ngram"))
+        if draft_quantize is not None and not model_draft:
             raise ValueError(f"draft_quantize={draft_quantize!r} needs a model draft (a path or zoo name), "
                              f"got draft={draft!r}")
+        if draft_vocab is not None and not model_draft:
+            raise ValueError(f"draft_vocab needs a model draft, got draft={draft!r}")
         if draft is None:
             drafter = None
         elif isinstance(draft, Stage):
@@ -233,9 +239,9 @@ class Pipeline:
             if torch.device(self.draft.device) != torch.device(self.target.device):
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")
-            cross = _vocab_stage(self.target, self.draft, vocab_mapping, threshold)
+            cross = _vocab_stage(self.target, self.draft, vocab_mapping, threshold, draft_vocab)
             if cross is None:
-                drafter = ModelDrafter(self.draft, confidence_threshold=threshold)
+                drafter = ModelDrafter(self.draft, confidence_threshold=threshold, draft_vocab=draft_vocab)
             else:
                 drafter, mapper = cross
                 between.append(mapper)

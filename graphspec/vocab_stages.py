@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphspec.drafters import check_confidence_threshold, draft_confidence, prefill
+from graphspec.drafters import DraftHead, check_confidence_threshold, draft_confidence, next_logits, prefill
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 from graphspec.kernels.vocab_map import vocab_map, vocab_mask_logits
@@ -99,7 +99,7 @@ class CrossVocabDrafter(Stage):
     writes = DRAFT_OWN_FIELDS
 
     def __init__(self, model, mapping: VocabMapping, target_tokenizer, mode: str = "auto", name: str = "draft",
-                 confidence_threshold: float | None = None):
+                 confidence_threshold: float | None = None, draft_vocab=None):
         super().__init__(name)
         self.confidence_threshold = check_confidence_threshold(confidence_threshold)  # see ModelDrafter
         if mode not in VOCAB_MODES:
@@ -121,6 +121,13 @@ class CrossVocabDrafter(Stage):
         self._spellable = torch.tensor([i if i < n and (dt.pieces[i] or i in self._draft_special) else -1
                                         for i in range(mapping.draft_vocab_size)], dtype=torch.int64)
         self._spellable_on: dict[str, torch.Tensor] = {}
+        # draft vocabulary pruning (graphspec.drafters.DraftHead); TLI also needs shared ids among those kept
+        self.head = DraftHead.build(model, draft_vocab)
+        if self.head is not None and mode != "slem":
+            kept = mapping.draft_to_target[self.head.ids.cpu()]
+            if not bool((kept >= 0).any()):
+                raise ValueError(f"draft_vocab keeps {len(self.head)} draft ids, none of them in the target's "
+                                 "vocabulary: TLI could never propose a token; keep more ids")
 
     def check(self, params) -> None:
         check_mode(self.mode, params)
@@ -306,7 +313,7 @@ class CrossVocabDrafter(Stage):
         picks: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            logits = self.model.step(new, cache, logits_for="last")[:, -1, :vd]  # [1, Vd] fp32
+            logits = next_logits(self.model, self.head, new, cache)[:, :vd]  # [1, Vd] fp32
             run.draft_forwards += 1
             logits = vocab_mask_logits(logits, d2t if tli else spellable)
             q = None
@@ -399,7 +406,7 @@ class VocabMap(Stage):
 
 
 def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True,
-                 confidence_threshold: float | None = None) -> tuple[CrossVocabDrafter, VocabMap]:
+                 confidence_threshold: float | None = None, draft_vocab=None) -> tuple[CrossVocabDrafter, VocabMap]:
     """The draft and map stages for a target and draft with different tokenizers.
 
     Builds (or loads from the cache) the vocabulary tables; an empty intersection is a
@@ -413,5 +420,6 @@ def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True,
         raise ValueError(f"cross-vocabulary drafting needs both tokenizers, but {which} has none")
     mapping = build_vocab_mapping(dt, tt, draft_vocab_size=draft.config.vocab_size,
                                   target_vocab_size=target.config.vocab_size, cache=cache)
-    drafter = CrossVocabDrafter(draft, mapping, tt, mode, confidence_threshold=confidence_threshold)
+    drafter = CrossVocabDrafter(draft, mapping, tt, mode, confidence_threshold=confidence_threshold,
+                                draft_vocab=draft_vocab)
     return drafter, VocabMap(drafter)

@@ -135,13 +135,34 @@ class Transformer:
         positions = torch.arange(t, device=self.device).expand(b, t)
         return self._forward(input_ids, positions, None, "all")
 
+    def head_rows(self, ids: torch.Tensor):
+        """The lm_head restricted to the vocabulary rows ``ids`` (1-d int64), in this model's GEMM layout.
+
+        Pass it as ``step(..., head=...)`` to compute logits for those ids only: a draft with a pruned
+        vocabulary (``graphspec.drafters.DraftHead``) reads a fraction of the lm_head per token.
+        """
+        if (not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.dtype != torch.int64 or ids.numel() == 0):
+            raise ValueError(f"ids must be a non-empty 1-d int64 tensor, got {getattr(ids, 'dtype', type(ids))} "
+                             f"{tuple(getattr(ids, 'shape', ()))}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.lm_head.shape[0]:
+            raise ValueError(f"ids must lie in [0, {self.lm_head.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]")
+        if self.config.tie_word_embeddings:
+            full = self.embed  # the lm_head's own values
+        else:
+            full = self.lm_head.dense() if hasattr(self.lm_head, "dense") else self.lm_head
+        rows = full[ids.to(full.device)].to(self.dtype).contiguous()
+        prepare = quantize_weight if self.quantize == "int8" else prepare_weight
+        with use_backend(self.backend):
+            return prepare(rows)
+
     def step(self, token_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
-             logits_for="all") -> torch.Tensor:
+             logits_for="all", head=None) -> torch.Tensor:
         """Run ``token_ids [B, T]`` after what ``cache`` holds; append them to it; return logits.
 
         positions: ``[B, T]`` int64 RoPE positions (default: the cache slots they occupy).
         logits_for: "all" (T rows), "last" (1 row) or a LongTensor of row indices into T.
-        Returns ``[B, n, V]`` fp32 and advances ``cache.length`` by T.
+        head: None (the lm_head), or ``head_rows(ids)``: logits for those vocabulary rows only.
+        Returns ``[B, n, V]`` fp32 (``V = len(ids)`` with ``head``) and advances ``cache.length`` by T.
         """
         token_ids = self._check_ids(token_ids)
         b, t = token_ids.shape
@@ -165,7 +186,10 @@ class Transformer:
             raise ValueError(f"positions must be an int64 tensor of shape {(b, t)} on {self.device}, got "
                              f"{getattr(positions, 'dtype', type(positions).__name__)} "
                              f"{tuple(getattr(positions, 'shape', ()))}")
-        logits = self._forward(token_ids, positions, cache, logits_for)
+        if head is not None and (getattr(head, "ndim", 0) != 2 or head.shape[1] != c.hidden_size):
+            raise ValueError(f"head must come from this model's head_rows(ids) ([n, {c.hidden_size}]), got "
+                             f"{type(head).__name__} {tuple(getattr(head, 'shape', ()))}")
+        logits = self._forward(token_ids, positions, cache, logits_for, head)
         cache.advance(t)
         return logits
 
@@ -193,7 +217,7 @@ class Transformer:
             return logits_for.to(self.device, torch.long)
         raise ValueError(f"logits_for={logits_for!r}; expected 'all', 'last' or a 1-d LongTensor of row indices")
 
-    def _forward(self, ids, positions, cache, logits_for) -> torch.Tensor:
+    def _forward(self, ids, positions, cache, logits_for, head=None) -> torch.Tensor:
         c = self.config
         rows = self._rows(logits_for, ids.shape[1])
         with use_backend(self.backend), torch.no_grad():
@@ -212,7 +236,7 @@ class Transformer:
             if rows is not None:
                 m, h = m[:, rows], h[:, rows]
             out, _ = rmsnorm(m, self.norm, c.rms_norm_eps, residual=h)
-            return linear(out, self.lm_head).float()  # [B, n, V]
+            return linear(out, self.lm_head if head is None else head).float()  # [B, n, V]
 
     def _attention(self, i: int, layer: Layer, x, positions, tables, cache) -> torch.Tensor:
         c = self.config

@@ -64,6 +64,20 @@ def test_run_matches_library_output(tiny):
     assert json.loads("{" + stats)["generated_tokens"] == 10
 
 
+def test_run_with_a_cheap_draft_gives_the_target_text(tiny):
+    # On a CPU the draft loads with int8 weights by default; --draft-vocab prunes its head.
+    import graphspec
+
+    expected = graphspec.Pipeline(graphspec.load_model(tiny, dtype="float32")).run(
+        "def fibonacci(n):", max_new_tokens=12, ignore_eos=True)
+    for extra in ((), ("--draft-vocab", "200"), ("--draft-quantize", "none", "--draft-vocab", "50")):
+        p = _cli("run", "--target", str(tiny), "--draft", str(tiny), "--dtype", "fp32", "--max-new-tokens", "12",
+                 "--ignore-eos", *extra, "def fibonacci(n):")
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.rstrip("\n") == expected.text, extra
+        assert ("(int8 weights)" in p.stderr) == ("none" not in extra), p.stderr
+
+
 def test_run_chat_and_sampling_flags(tiny):
     p = _cli("run", "--target", str(tiny), "--draft", str(tiny), "--chat", "--temperature", "0.8", "--top-k", "20",
              "--top-p", "0.9", "--seed", "3", "--dtype", "fp32", "--max-new-tokens", "8", "hello there")
@@ -83,6 +97,10 @@ def test_run_chat_and_sampling_flags(tiny):
     (("run", "--target", "TINY", "--draft-confidence", "1.5", "hi"), ["--draft-confidence"]),
     (("run", "--target", "TINY", "--max-new-tokens", "100000", "hi"), ["max_position_embeddings"]),
     (("run", "--target", "TINY", "--draft", "/nope", "hi"), ["--draft", "/nope"]),
+    (("run", "--target", "TINY", "--draft-vocab", "100", "hi"), ["--draft-vocab"]),
+    (("run", "--target", "TINY", "--draft", "ngram", "--draft-vocab", "100", "hi"), ["--draft-vocab"]),
+    (("run", "--target", "TINY", "--draft-vocab", "0", "hi"), ["--draft-vocab"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-quantize", "int4", "hi"), ["--draft-quantize"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
 ])

@@ -78,6 +78,40 @@ def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype):
         assert same.run(prompt, max_new_tokens=24, ignore_eos=True).stats.acceptance_rate > 0.5
 
 
+def test_pruned_draft_vocabulary(dirs, models):
+    from graphspec.drafters import DraftHead, draft_vocab_ids
+
+    target, other = models
+    tok = other.tokenizer
+    ids = draft_vocab_ids(other, 100)
+    specials = set(tok.special_ids) | set(other.config.eos_token_ids)
+    assert set(range(100)) | {i for i in specials if i < other.config.vocab_size} == set(ids.tolist())
+    assert draft_vocab_ids(other, None) is None and draft_vocab_ids(other, other.config.vocab_size) is None
+    assert draft_vocab_ids(other, [5, 3, 5]).tolist() == [3, 5]
+    for bad, match in ((0, "at least one"), ([other.config.vocab_size], r"in \[0, "), ("abc", "int token ids"),
+                       (True, "positive int")):
+        with pytest.raises(ValueError, match=match):
+            draft_vocab_ids(other, bad)
+    # The kept logits are the full head's logits at those ids; everything else is -inf.
+    head = DraftHead.build(other, 100)
+    prompt = torch.tensor([tok.encode("def f(x):")])
+    full = other.step(prompt, other.new_cache(32), logits_for="last")[:, -1]
+    part = head.logits(other, prompt, other.new_cache(32))
+    kept = head.ids
+    torch.testing.assert_close(part[:, kept], full[:, kept], rtol=1e-5, atol=1e-5)
+    mask = torch.ones(full.shape[-1], dtype=torch.bool)
+    mask[kept] = False
+    assert bool(torch.isinf(part[:, mask]).all()) and part.shape == full.shape
+    # Greedy output is the target's whatever the draft keeps.
+    prompt_ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)
+    ref = graphspec.Pipeline(target).run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids
+    for keep in (40, 300):
+        pipe = graphspec.Pipeline(target, other, num_speculative_tokens=3, draft_vocab=keep)
+        assert pipe.run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids == ref
+    with pytest.raises(ValueError, match="needs a model draft"):
+        graphspec.Pipeline(target, "ngram", draft_vocab=10)
+
+
 def test_draft_quantize_is_checked(dirs, models):
     target_dir, other_dir = dirs
     target, other = models
@@ -131,14 +165,16 @@ def tiny_vocab(tmp_path_factory):
     return graphspec.load_model(t), graphspec.load_model(d), graphspec.load_model(d, quantize="int8")
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["draft", "int8-draft"])
-def test_sampling_on_transformers_matches_the_exact_distribution(tiny_vocab, quantized):
+@pytest.mark.parametrize("quantized,draft_vocab", [(False, None), (True, None), (False, 12)],
+                         ids=["draft", "int8-draft", "pruned-draft"])
+def test_sampling_on_transformers_matches_the_exact_distribution(tiny_vocab, quantized, draft_vocab):
+    # The pruned draft proposes 12 of the 32 ids (plus its eos) from q renormalised over them.
     target, plain_draft, int8_draft = tiny_vocab
     draft = int8_draft if quantized else plain_draft
     prompt = [3]  # a one-token prompt: no prefill forwards, so 2000 runs stay cheap
     params = SamplingParams(temperature=0.7, top_k=12)
     exact = exact_marginals(target, prompt, params)
-    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2)
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2, draft_vocab=draft_vocab)
     n = 2000
     samples = np.empty((n, 3), dtype=np.int64)
     accepted = proposed = 0

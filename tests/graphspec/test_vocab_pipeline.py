@@ -98,6 +98,18 @@ def test_greedy_equals_target_alone(models_, pair, mode):
         assert a.stats.vocab is None
 
 
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+def test_greedy_with_a_pruned_draft_vocabulary_equals_target_alone(models_, mode):
+    target, draft = models_["bl_target"], models_["ms_draft"]
+    spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping=mode, draft_vocab=150)
+    head = spec.graph["draft"].head
+    assert head is not None and 150 <= len(head) < draft.config.vocab_size
+    for prompt in PROMPTS:
+        out = spec.run(prompt, max_new_tokens=16, ignore_eos=True)
+        assert out.token_ids == _baseline(target, prompt, 16).token_ids, (mode, prompt)
+        assert out.stats.proposed > 0
+
+
 def test_greedy_chat_messages_and_stream(models_):
     target, draft = models_["bl_target"], models_["ms_draft"]
     msgs = [{"role": "user", "content": "Write café code:\n  x = 1"}]
