@@ -20,7 +20,11 @@
   the 2-core AVX-512 machines (perf/RESULTS.md): ``F.linear`` re-packs the weight on every
   call and, for fp32, runs 2..8 rows on the plain layout at ~2x the cost of one row; the
   blocked, pre-packed fp32 weight makes 5..8 rows cost about one row (a speculative verify
-  then costs about one decode step), and bf16 decode GEMMs gain 1.2-1.5x. ``prepare_weight`` is a no-op on CUDA and wherever Triton is requested.
+  then costs about one decode step), and bf16 decode GEMMs gain 1.2-1.5x. ``prepare_weight`` is a no-op on CUDA
+  and wherever Triton is requested. One-row products on packed weights run as ``SINGLE_ROW_PAD``
+  rows: faster, and bit-identical to the same row inside a verify (see there).
+- Draft models on a CPU may use ``quantize_weight`` instead: int8 weights (``Int8Weight``) run by
+  torch's int8 GEMM, half the bytes of bf16; approximate, so for drafts only.
 """
 
 from __future__ import annotations

@@ -44,10 +44,20 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--quantize", default="none", choices=["none", "int8"],
+                    help="int8: the model as a draft runs it (kernels.linear.Int8Weight); layouts then do not apply")
+    ap.add_argument("--single-row-pad", type=int, nargs="+", default=None, metavar="ROWS",
+                    help="also time one-row products padded to these row counts (kernels.linear.SINGLE_ROW_PAD; "
+                         "1 = unpadded); default: the library's setting only")
     ap.add_argument("--out", default="cpu_step.json")
     args = ap.parse_args(argv)
 
+    import importlib
+
     from graphspec.models import load_model
+
+    linear_mod = importlib.import_module("graphspec.kernels.linear")
+    pads = args.single_row_pad or [linear_mod.SINGLE_ROW_PAD]
 
     rows = []
     result = {"machine": machine_info(), "model": args.model, "rows": rows}
@@ -56,26 +66,28 @@ def main(argv=None) -> int:
     print(f"# {result['machine'].get('cpu_model')} x{result['machine']['cpu_count']}, load "
           f"{result['machine'].get('loadavg')}, read bandwidth {bw:.1f} GB/s (median)", flush=True)
     for dname in args.dtypes:
-        model = load_model(args.model, dtype=DTYPES[dname])
+        quantize = None if args.quantize == "none" else args.quantize
+        model = load_model(args.model, dtype=DTYPES[dname], quantize=quantize)
         nbytes = step_weight_bytes(model)
-        for layout in args.layouts:
+        for layout in (["int8"] if quantize else args.layouts):
             if layout == "plain":
                 unpack(model)
-            for threads in args.threads:
+            for threads, pad in ((th, p) for th in args.threads for p in pads):
                 torch.set_num_threads(threads)
+                linear_mod.SINGLE_ROW_PAD = pad
                 bw = read_bandwidth()["gbps_median"]  # at this thread count: 1 thread reads slower when quiet
                 base = None
                 for t in args.tokens:
                     s = step_times(model, t, args.reps)
                     med = statistics.median(s)
                     base = med if t == 1 else base
-                    row = {"dtype": dname, "layout": layout, "threads": threads, "tokens": t,
+                    row = {"dtype": dname, "layout": layout, "threads": threads, "single_row_pad": pad, "tokens": t,
                            "median_ms": med * 1e3, "min_ms": min(s) * 1e3,
                            "ratio_to_1": med / base if base else None,
                            "gbps": nbytes / med / 1e9, "weight_bytes": nbytes, "read_bandwidth_gbps": bw}
                     row["fraction_of_bandwidth"] = row["gbps"] / bw
                     rows.append(row)
-                    print(f"{dname:5s} {layout:6s} threads={threads} T={t}: {med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"
+                    print(f"{dname:5s} {layout:6s} threads={threads} pad={pad} T={t}: {med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"
                           f"  x{row['ratio_to_1']:.2f} of T=1  {row['gbps']:5.1f} GB/s = "
                           f"{100 * row['fraction_of_bandwidth']:.0f}% of read bw", flush=True)
         del model

@@ -102,7 +102,8 @@ def hf_runner(method: str, dtype, pool: dict):
     return gen
 
 
-def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft_quantize: str | None = None):
+def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft_quantize: str | None = None,
+                     draft_vocab: int | None = None):
     import graphspec
     from graphspec.models import load_model
 
@@ -115,9 +116,11 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
     if method == "ar":
         pipe = graphspec.Pipeline(target)
     elif method == "spec_0.5b":
-        pipe = graphspec.Pipeline(target, draft=model(DRAFT, draft_quantize), num_speculative_tokens=k)
+        pipe = graphspec.Pipeline(target, draft=model(DRAFT, draft_quantize), num_speculative_tokens=k,
+                                  draft_vocab=draft_vocab)
     elif method == "spec_smollm2":
-        pipe = graphspec.Pipeline(target, draft=model(CROSS_DRAFT, draft_quantize), num_speculative_tokens=k)
+        pipe = graphspec.Pipeline(target, draft=model(CROSS_DRAFT, draft_quantize), num_speculative_tokens=k,
+                                  draft_vocab=draft_vocab)
     elif method == "ngram":
         pipe = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k)
     else:
@@ -177,7 +180,7 @@ def _available_bytes() -> int:
 
 
 def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, log,
-              draft_quantize: str | None = None) -> tuple[dict, dict, dict]:
+              draft_quantize: str | None = None, draft_vocab: int | None = None) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
     drafts = {DRAFT: ("spec_0.5b", "hf_assist_0.5b"), CROSS_DRAFT: ("spec_smollm2", "hf_assist_smollm2")}
     one_family = _model_bytes(TARGET, dtype) + sum(
@@ -186,9 +189,9 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
     log(f"  models of one family: {one_family / 1e9:.1f} GB; graphspec and transformers "
         f"{'interleaved in one pass' if together else 'in two passes (not enough memory for both)'}")
     pool: dict = {}
-    ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m), draft_quantize) for m in methods}
+    ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m), draft_quantize, draft_vocab) for m in methods}
     info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET, None)]), "interleaved_with_transformers": together,
-            "draft_quantize": draft_quantize}
+            "draft_quantize": draft_quantize, "draft_vocab": draft_vocab}
     hf_gens = {}
     if together:
         hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}
@@ -318,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k-cross", type=int, default=4, help="K for the SmolLM2 draft")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); default: whole vocabulary")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
@@ -354,7 +359,8 @@ def main(argv=None) -> int:
         log(f"[{dname}]")
         ks = {"spec_0.5b": args.k_model, "spec_smollm2": args.k_cross, "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
-                                   ks, log, None if args.draft_quantize == "none" else args.draft_quantize)
+                                   ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
+                                   args.draft_vocab)
         summary = compare({**ours, **hf}, info["weight_bytes"], bw)
         report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
         for method, row in summary.items():

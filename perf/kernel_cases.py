@@ -50,7 +50,7 @@ def _triton(fn):
 
 
 def linear_case(m: int, n: int, k: int, dtype, device, tag: str = "") -> Case:
-    from graphspec.kernels.linear import linear, prepare_weight
+    from graphspec.kernels.linear import linear, prepare_weight, quantize_weight
 
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
@@ -59,6 +59,9 @@ def linear_case(m: int, n: int, k: int, dtype, device, tag: str = "") -> Case:
         pw = prepare_weight(w)
         if pw is not w:
             providers["packed"] = lambda: linear(x, pw)
+        if m <= 16 and torch.backends.quantized.engine in ("x86", "fbgemm"):
+            qw = quantize_weight(w)  # draft weights; GB/s below counts the dtype's bytes, not int8's
+            providers["int8"] = lambda: linear(x, qw)
     return Case(f"linear{tag} M={m} N={n} K={k}", providers, flops=2.0 * m * n * k,
                 bytes=float((m * k + n * k + m * n) * _esize(dtype)), kind="compute" if m >= 64 else "memory")
 

@@ -16,7 +16,8 @@ from perf._common import load_prompts
 pytestmark = pytest.mark.e2e
 
 CASES = [(d, m) for d in ("bf16", "fp32") for m in (*e2e.METHODS, *e2e.HF_METHODS)]
-K = {"spec_0.5b": 4, "spec_smollm2": 5, "ngram": 4}
+K = {"spec_0.5b": 3, "spec_smollm2": 4, "ngram": 4}  # as perf/e2e.py
+DRAFT_QUANTIZE = "int8"  # as perf/e2e.py and the CLI on a CPU
 
 
 class _Pool:
@@ -58,7 +59,7 @@ def test_generate(benchmark, request, pool, workload, dtype_name, method):
     if method in e2e.HF_METHODS:
         gen = e2e.hf_runner(method, dtype, pool.get("hf", dtype_name))
     else:
-        gen = e2e.graphspec_runner(method, dtype, pool.get("graphspec", dtype_name), K.get(method))
+        gen = e2e.graphspec_runner(method, dtype, pool.get("graphspec", dtype_name), K.get(method), DRAFT_QUANTIZE)
     gen(prompt_ids[0][:16], 4)  # warm-up
     runs = []
     benchmark.group = f"e2e {dtype_name}"
