@@ -21,8 +21,8 @@
   call and, for fp32, runs 2..8 rows on the plain layout at ~2x the cost of one row; the
   blocked, pre-packed fp32 weight makes 5..8 rows cost about one row (a speculative verify
   then costs about one decode step), and bf16 decode GEMMs gain 1.2-1.5x. ``prepare_weight`` is a no-op on CUDA
-  and wherever Triton is requested. One-row products on packed weights run as ``SINGLE_ROW_PAD``
-  rows: faster, and bit-identical to the same row inside a verify (see there).
+  and wherever Triton is requested. Products of fewer than ``MIN_ROWS`` rows on packed weights run
+  as that many: faster, and a row comes out bit-identical inside a verify and alone (see there).
 - Draft models on a CPU may use ``quantize_weight`` instead: int8 weights (``Int8Weight``) run by
   torch's int8 GEMM, half the bytes of bf16; approximate, so for drafts only.
 """
@@ -378,22 +378,22 @@ def _linear_packed(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | N
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
     # oneDNN reads the bias as contiguous whatever its strides (measured: wrong values otherwise).
     b = bias.contiguous() if bias is not None else None
-    if x2.shape[0] == 1 and SINGLE_ROW_PAD > 1:
-        y = torch.ops.mkldnn._linear_pointwise(x2.expand(SINGLE_ROW_PAD, k), weight.packed, b, "none", [], "")[:1]
-    else:
-        y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, b, "none", [], "")
+    m = x2.shape[0]
+    if m < MIN_ROWS:  # repeat the last row: see MIN_ROWS
+        x2 = x2.expand(MIN_ROWS, k) if m == 1 else torch.cat([x2, x2[-1:].expand(MIN_ROWS - m, k)])
+    y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, b, "none", [], "")[:m]
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-SINGLE_ROW_PAD = 4
-"""A one-row product on a packed weight runs as this many rows (the row repeated), for two reasons
-measured on the 2-core AVX-512 machines (perf/RESULTS.md). Exactness: for many weights (wide N
-like an lm_head or a fused gate/up, long K like a down projection) oneDNN runs one row on another
-kernel than 2..16 rows, and sums it in another order, while 2..16 rows agree bit for bit; a
-speculative verify runs K+1 rows and a decode step one, so without this a bf16 near-tie flips and
-speculative output drifts from autoregressive. Speed: its 4-row kernel reads the weight faster than
-its 1-row one (Qwen2.5-1.5B step, 1 thread: bf16 235 -> 196-205 ms, fp32 461 -> 372 ms; 2 threads
-bf16 168 -> 144 ms), while 2 rows is the slowest. 1 turns it off (perf/cpu_step.py --single-row-pad)."""
+MIN_ROWS = 4
+"""Products on a packed weight with fewer rows run as this many (the last row repeated), for two
+reasons measured on the 2-core AVX-512 machines (perf/RESULTS.md). Exactness: for many weights
+(wide N like an lm_head or a fused gate/up, long K like a down projection) oneDNN runs one row on
+another kernel than 2..16 rows, and sums it in another order, while 2..16 rows agree bit for bit;
+a speculative verify runs K+1 rows and a decode step one, so without this a bf16 near-tie flips and
+speculative output drifts from autoregressive. Speed: its 1-, 2- and 3-row kernels read the weight
+slower than its 4-row one (Qwen2.5-1.5B bf16 step, 1 thread: one row 235 -> 205 ms; two rows
+250 ms vs four 168 ms; fp32 one row 461 -> 372 ms). 1 turns it off (perf/cpu_step.py --min-rows)."""
 
 
 class Int8Weight:

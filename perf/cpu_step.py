@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--quantize", default="none", choices=["none", "int8"],
                     help="int8: the model as a draft runs it (kernels.linear.Int8Weight); layouts then do not apply")
-    ap.add_argument("--single-row-pad", type=int, nargs="+", default=None, metavar="ROWS",
-                    help="also time one-row products padded to these row counts (kernels.linear.SINGLE_ROW_PAD; "
+    ap.add_argument("--min-rows", type=int, nargs="+", default=None, metavar="ROWS",
+                    help="also time with products of fewer rows padded to these row counts (kernels.linear.MIN_ROWS; "
                          "1 = unpadded); default: the library's setting only")
     ap.add_argument("--out", default="cpu_step.json")
     args = ap.parse_args(argv)
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from graphspec.models import load_model
 
     linear_mod = importlib.import_module("graphspec.kernels.linear")
-    pads = args.single_row_pad or [linear_mod.SINGLE_ROW_PAD]
+    pads = args.min_rows or [linear_mod.MIN_ROWS]
 
     rows = []
     result = {"machine": machine_info(), "model": args.model, "rows": rows}
@@ -74,20 +74,20 @@ def main(argv=None) -> int:
                 unpack(model)
             for threads, pad in ((th, p) for th in args.threads for p in pads):
                 torch.set_num_threads(threads)
-                linear_mod.SINGLE_ROW_PAD = pad
+                linear_mod.MIN_ROWS = pad
                 bw = read_bandwidth()["gbps_median"]  # at this thread count: 1 thread reads slower when quiet
                 base = None
                 for t in args.tokens:
                     s = step_times(model, t, args.reps)
                     med = statistics.median(s)
                     base = med if t == 1 else base
-                    row = {"dtype": dname, "layout": layout, "threads": threads, "single_row_pad": pad, "tokens": t,
+                    row = {"dtype": dname, "layout": layout, "threads": threads, "min_rows": pad, "tokens": t,
                            "median_ms": med * 1e3, "min_ms": min(s) * 1e3,
                            "ratio_to_1": med / base if base else None,
                            "gbps": nbytes / med / 1e9, "weight_bytes": nbytes, "read_bandwidth_gbps": bw}
                     row["fraction_of_bandwidth"] = row["gbps"] / bw
                     rows.append(row)
-                    print(f"{dname:5s} {layout:6s} threads={threads} pad={pad} T={t}: {med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"
+                    print(f"{dname:5s} {layout:6s} threads={threads} min_rows={pad} T={t}: {med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"
                           f"  x{row['ratio_to_1']:.2f} of T=1  {row['gbps']:5.1f} GB/s = "
                           f"{100 * row['fraction_of_bandwidth']:.0f}% of read bw", flush=True)
         del model

@@ -199,13 +199,13 @@ def test_packed_rows_are_bit_identical_whatever_the_row_count(dtype, monkeypatch
 
     A decode step multiplies one row, a speculative verify K+1: greedy speculative output can only
     equal autoregressive output bit for bit if those agree. oneDNN runs one row on another kernel
-    for some weights (this one-wide N, long K shape among them on the AVX-512 machines), so
-    ``linear`` pads one-row products to SINGLE_ROW_PAD rows.
+    for some weights (the long-K [896, 4864] one among them on the AVX-512 machines), so ``linear``
+    pads products of fewer than MIN_ROWS rows to MIN_ROWS (1 turns that off).
     """
     g = torch.Generator().manual_seed(0)
-    mismatches, default = {}, linear_mod.SINGLE_ROW_PAD
+    mismatches, default = {}, linear_mod.MIN_ROWS
     for pad in (default, 1):
-        monkeypatch.setattr(linear_mod, "SINGLE_ROW_PAD", pad)
+        monkeypatch.setattr(linear_mod, "MIN_ROWS", pad)
         mismatches[pad] = 0
         for n, k in ((896, 4864), (4000, 600), (77, 130)):
             w = prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))

@@ -68,7 +68,7 @@ def test_verify_rows_are_bit_identical_to_single_steps(wide_ckpt, dtype, monkeyp
     """Each row of a K+1-token verify equals the one-token step at that position, bit for bit.
 
     This is what makes greedy speculative output equal autoregressive output in bf16 too
-    (kernels.linear.SINGLE_ROW_PAD; the CPU attention path runs verify rows one by one).
+    (kernels.linear.MIN_ROWS; the CPU attention path runs verify rows one by one).
     """
     import importlib
 
@@ -77,9 +77,9 @@ def test_verify_rows_are_bit_identical_to_single_steps(wide_ckpt, dtype, monkeyp
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, m.config.vocab_size, (1, 9), generator=g)
     block = torch.randint(0, m.config.vocab_size, (1, 6), generator=g)
-    differing, default = {}, linear_mod.SINGLE_ROW_PAD
+    differing, default = {}, linear_mod.MIN_ROWS
     for pad in (default, 1):
-        monkeypatch.setattr(linear_mod, "SINGLE_ROW_PAD", pad)
+        monkeypatch.setattr(linear_mod, "MIN_ROWS", pad)
         cache = m.new_cache(64)
         m.step(prompt, cache, logits_for=torch.empty(0, dtype=torch.long))
         steps = torch.cat([m.step(block[:, j:j + 1], cache) for j in range(block.shape[1])], dim=1)
