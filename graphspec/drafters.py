@@ -173,6 +173,9 @@ class ModelDrafter(Stage):
         self.confidence_threshold = check_confidence_threshold(confidence_threshold)
 
     def begin(self, state) -> None:
+        if self.head is not None and int(self.head.ids[0]) >= state.run.vocab_size:
+            raise ValueError(f"draft_vocab keeps no id below the target's vocabulary size {state.run.vocab_size}: "
+                             "the draft could never propose a token; keep lower ids")
         cache, forwards = start_cache(self.model, state)
         state.run.draft_forwards += forwards
         state.scratch(self)["cache"] = cache

@@ -110,6 +110,10 @@ def test_pruned_draft_vocabulary(dirs, models):
         assert pipe.run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids == ref
     with pytest.raises(ValueError, match="needs a model draft"):
         graphspec.Pipeline(target, "ngram", draft_vocab=10)
+    beyond = [other.config.vocab_size - 1]  # the draft's padded embedding is wider than the target's vocabulary
+    assert beyond[0] >= target.config.vocab_size
+    with pytest.raises(ValueError, match="no id below the target's vocabulary"):
+        graphspec.Pipeline(target, other, draft_vocab=beyond).run(prompt_ids, max_new_tokens=2)
 
 
 def test_draft_quantize_is_checked(dirs, models):

@@ -1,0 +1,83 @@
+"""Cheaper drafts: int8 weights and a pruned vocabulary against the plain draft, one interleaved run.
+
+Target Qwen2.5-Coder-1.5B-Instruct on CPU; drafts Qwen2.5-Coder-0.5B-Instruct (K=3) and
+SmolLM2-135M-Instruct (K=4, across tokenizers), each as loaded (the dtype), with int8 weights
+(``quantize="int8"``), and with int8 weights plus ``draft_vocab`` (the lowest ids plus special
+tokens). Greedy, exactly N tokens per prompt; every prompt runs every method before the next one.
+Prints tokens/s, the ratio to autoregressive, tokens per target forward, acceptance, the draft's
+milliseconds per forward, and whether the tokens equal the autoregressive ones.
+
+    .venv/bin/python perf/draft_sweep.py [--tokens 48] [--prompts 3] [--dtype bf16] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf._common import CROSS_DRAFT, DRAFT, TARGET, load_prompts, machine_info  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 16384], help="draft_vocab values to try")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import graphspec
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    prompts = [p.get("messages") or p["prompt"] for p in load_prompts(limit=args.prompts)]
+    target = graphspec.load_model(TARGET, dtype=dtype)
+    methods = {"autoregressive": graphspec.Pipeline(target)}
+    for name, k in ((DRAFT, 3), (CROSS_DRAFT, 4)):
+        short = name.split("-instruct")[0]
+        plain = graphspec.load_model(name, dtype=dtype)
+        int8 = graphspec.load_model(name, dtype=dtype, quantize="int8")
+        methods[f"{short} K={k} {args.dtype}"] = graphspec.Pipeline(target, plain, k)
+        methods[f"{short} K={k} int8"] = graphspec.Pipeline(target, int8, k)
+        for n in args.vocab:
+            if n < int8.config.vocab_size:
+                methods[f"{short} K={k} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, draft_vocab=n)
+    print(f"# {machine_info()}", flush=True)
+    for pipe in methods.values():  # warm-up
+        pipe.run(prompts[0], max_new_tokens=3)
+    totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "proposed": 0, "accepted": 0, "draft_s": 0.0,
+                     "draft_forwards": 0, "same": 0} for name in methods}
+    for i, prompt in enumerate(prompts):
+        ref = None
+        for name, pipe in methods.items():
+            t0 = time.perf_counter()
+            out = pipe.run(prompt, max_new_tokens=args.tokens, ignore_eos=True)
+            t, s = totals[name], out.stats
+            t["seconds"] += time.perf_counter() - t0
+            t["tokens"] += len(out.token_ids)
+            t["steps"] += s.steps
+            t["proposed"] += s.proposed
+            t["accepted"] += s.accepted
+            t["draft_s"] += s.stage_seconds.get("draft", 0.0)
+            t["draft_forwards"] += s.draft_forwards
+            ref = out.token_ids if ref is None else ref
+            t["same"] += out.token_ids == ref
+        print(f"  prompt {i + 1}/{len(prompts)} done", flush=True)
+    base = totals["autoregressive"]["tokens"] / totals["autoregressive"]["seconds"]
+    for name, t in totals.items():
+        rate = t["tokens"] / t["seconds"]
+        draft_ms = 1e3 * t["draft_s"] / t["draft_forwards"] if t["draft_forwards"] else 0.0
+        acc = t["accepted"] / t["proposed"] if t["proposed"] else 0.0
+        print(f"{name:52s} {rate:6.2f} tok/s  x{rate / base:.2f}  tokens/forward {t['tokens'] / t['steps']:.2f}  "
+              f"acceptance {acc:.2f}  draft {draft_ms:5.1f} ms/forward  same as AR {t['same']}/{len(prompts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
