@@ -167,17 +167,20 @@ def test_prepare_weight_leaves_other_layouts_alone():
         assert isinstance(prepare_weight(w), PackedWeight) == _can_pack(w)
 
 
+def _refuses_triton_and_bad_shapes(prepared, kind: str):
+    with use_backend("triton"), pytest.raises(ValueError, match=kind):
+        linear(torch.randn(2, 4), prepared)
+    with pytest.raises(ValueError, match="K must match"):
+        linear(torch.randn(2, 5), prepared)
+    with pytest.raises(ValueError, match="dtype"):
+        linear(torch.randn(2, 4).bfloat16(), prepared)
+    with pytest.raises(ValueError, match="bias"):
+        linear(torch.randn(2, 4), prepared, torch.randn(7))
+
+
 @needs_pack
 def test_packed_weight_refuses_triton_and_bad_shapes():
-    pw = prepare_weight(torch.randn(8, 4))
-    with use_backend("triton"), pytest.raises(ValueError, match="PackedWeight"):
-        linear(torch.randn(2, 4), pw)
-    with pytest.raises(ValueError, match="K must match"):
-        linear(torch.randn(2, 5), pw)
-    with pytest.raises(ValueError, match="dtype"):
-        linear(torch.randn(2, 4).bfloat16(), pw)
-    with pytest.raises(ValueError, match="bias"):
-        linear(torch.randn(2, 4), pw, torch.randn(7))
+    _refuses_triton_and_bad_shapes(prepare_weight(torch.randn(8, 4)), "PackedWeight")
     with pytest.raises(ValueError, match="weight"):
         prepare_weight(torch.randn(8))
     with pytest.raises(ValueError, match="rows_hint"):
@@ -242,12 +245,6 @@ def test_int8_weight_approximates_reference(m, dtype):
 
 
 def test_int8_weight_refuses_what_it_cannot_run():
-    qw = quantize_weight(torch.randn(8, 4))
-    with use_backend("triton"), pytest.raises(ValueError, match="Int8Weight"):
-        linear(torch.randn(2, 4), qw)
-    with pytest.raises(ValueError, match="K must match"):
-        linear(torch.randn(2, 5), qw)
-    with pytest.raises(ValueError, match="dtype"):
-        linear(torch.randn(2, 4).bfloat16(), qw)
+    _refuses_triton_and_bad_shapes(quantize_weight(torch.randn(8, 4)), "Int8Weight")
     with pytest.raises(ValueError, match="CPU path"):
         quantize_weight(torch.randn(8, 4, device="meta"))
