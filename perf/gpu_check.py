@@ -38,19 +38,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+def _qwen2_coder(hidden: int, intermediate: int, layers: int, heads: int, head_dim: int) -> dict:
+    """config.json of a Qwen2.5-Coder-Instruct size (as the zoo converts it); the sizes differ, nothing else."""
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+            "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 2, "head_dim": head_dim,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "tie_word_embeddings": False, "attention_bias": True, "bos_token_id": 151643,
+            "eos_token_id": 151645, "torch_dtype": "bfloat16"}
+
+
 CONFIGS = {
-    "qwen2.5-1.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
-                     "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                     "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
-                     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                     "tie_word_embeddings": False, "attention_bias": True, "bos_token_id": 151643,
-                     "eos_token_id": 151645, "torch_dtype": "bfloat16"},
-    "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
-                     "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                     "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64,
-                     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                     "tie_word_embeddings": False, "attention_bias": True, "bos_token_id": 151643,
-                     "eos_token_id": 151645, "torch_dtype": "bfloat16"},
+    "qwen2.5-1.5b": _qwen2_coder(hidden=1536, intermediate=8960, layers=28, heads=12, head_dim=128),
+    "qwen2.5-0.5b": _qwen2_coder(hidden=896, intermediate=4864, layers=24, heads=14, head_dim=64),
     "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
                      "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
