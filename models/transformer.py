@@ -88,14 +88,17 @@ class Transformer:
 
     def _prepare_weights(self) -> None:
         # Under this model's backend: a model pinned to Triton keeps plain tensors.
-        prepare = quantize_weight if self.quantize == "int8" else prepare_weight
+        for layer in self.layers:
+            layer.wqkv = self._prepare(layer.wqkv)
+            layer.wo = self._prepare(layer.wo)
+            layer.w13 = self._prepare(layer.w13)
+            layer.w2 = self._prepare(layer.w2)
+        self.lm_head = self._prepare(self.lm_head)
+
+    def _prepare(self, weight: torch.Tensor):
+        """One GEMM weight in this model's layout: int8 when quantized, else what the kernels side prefers."""
         with use_backend(self.backend):
-            for layer in self.layers:
-                layer.wqkv = prepare(layer.wqkv)
-                layer.wo = prepare(layer.wo)
-                layer.w13 = prepare(layer.w13)
-                layer.w2 = prepare(layer.w2)
-            self.lm_head = prepare(self.lm_head)
+            return quantize_weight(weight) if self.quantize == "int8" else prepare_weight(weight)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,10 +153,7 @@ class Transformer:
             full = self.embed  # the lm_head's own values
         else:
             full = self.lm_head.dense() if hasattr(self.lm_head, "dense") else self.lm_head
-        rows = full[ids.to(full.device)].to(self.dtype).contiguous()
-        prepare = quantize_weight if self.quantize == "int8" else prepare_weight
-        with use_backend(self.backend):
-            return prepare(rows)
+        return self._prepare(full[ids.to(full.device)].to(self.dtype).contiguous())
 
     def step(self, token_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
              logits_for="all", head=None) -> torch.Tensor:
