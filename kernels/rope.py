@@ -167,14 +167,16 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
-                attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin ``[B, T, 1, D]`` fp32 for the torch path of :func:`rope`.
+                attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and signed sin ``[B, T, 1, D]`` fp32 for the torch path of :func:`rope`, or None.
 
     Every layer of a forward rotates at the same positions, so a model computes these once per
-    forward and passes them as ``rope(..., tables=...)``; the Triton kernel ignores them (it
-    computes cos/sin in registers, cheaper than loading them). ``sin`` carries the rotate-half
-    sign: ``cat(-s, s)``.
+    forward and passes them as ``rope(..., tables=...)``. Where the Triton kernel runs this returns
+    None and computes nothing: the kernel computes cos/sin in registers, cheaper than loading them.
+    ``sin`` carries the rotate-half sign: ``cat(-s, s)``.
     """
+    if use_triton(positions):
+        return None
     freqs = positions[..., None].float() * inv_freq.float()  # [B, T, D/2]
     cos = freqs.cos() * attention_scaling
     sin = freqs.sin() * attention_scaling
@@ -222,7 +224,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
     inv_freq: ``[D // 2]`` fp32 (from :func:`rope_inv_freq`). Returns ``(q_out, k_out)`` with
     ``x_out = x * cos(emb) + rotate_half(x) * sin(emb)``, ``emb = cat(f, f)``, ``f = positions * inv_freq``,
     cos and sin multiplied by ``attention_scaling``. ``tables``: optional
-    ``rope_tables(positions, inv_freq, attention_scaling)``, computed once and shared by the layers.
+    ``rope_tables(positions, inv_freq, attention_scaling)``, computed once and shared by the layers
+    (None where Triton runs, which needs none).
     """
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)

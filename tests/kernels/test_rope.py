@@ -149,6 +149,8 @@ def test_torch_path_is_bit_identical_to_reference(dtype):
             assert q_out.is_contiguous() and k_out.is_contiguous()
         with pytest.raises(ValueError, match="rope_tables"):
             rope(q, k, pos, inv_freq, 1.25, rope_tables(pos[:, :1], inv_freq, 1.25))
+    with use_backend("triton"):
+        assert rope_tables(pos, inv_freq, 1.25) is None  # the kernel computes cos/sin itself
 
 
 def test_int32_positions_and_position_zero_is_identity():
