@@ -18,10 +18,10 @@
   int8 per output row and run by torch's int8 GEMM (``kernels.linear.quantize_weight``); a
   bandwidth-bound draft step reads half the bytes of bf16. Approximate, so never for a target.
   That GEMM takes and returns fp32, so an int8 model computes in fp32 between its GEMMs (norms,
-  biases, KV cache; ``dtype`` is fp32) and no casts sit between ops. Its one-token steps, what a
-  draft runs K times per speculative step, take ``_decode_int8``: the same math in about 15 torch
-  ops a layer instead of about 80 (SmolLM2-135M step 22 -> 16 ms on one core), because at these
-  sizes the per-op cost, not the weight bytes, is most of a draft step.
+  biases, KV cache; ``dtype`` is fp32) and no casts sit between ops. Its cached forwards (a draft
+  runs one per proposed token) take ``_forward_int8``: the same math in about 15 torch ops a layer
+  instead of about 80 (SmolLM2-135M step 22 -> 16 ms on one core), because at these sizes the
+  per-op cost, not the weight bytes, is most of a draft step.
 - Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
   Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
 - A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
@@ -232,10 +232,9 @@ class Transformer:
     def _forward(self, ids, positions, cache, logits_for, head=None) -> torch.Tensor:
         c = self.config
         rows = self._rows(logits_for, ids.shape[1])
-        if self.quantize and self.fast_decode and cache is not None and ids.shape[1] == 1:
+        if self.quantize and self.fast_decode and cache is not None:
             with torch.no_grad():
-                logits = self._decode_int8(ids, positions, cache, head)  # [B, 1, V]
-            return logits if rows is None else logits[:, rows]
+                return self._forward_int8(ids, positions, cache, rows, head)
         with use_backend(self.backend), torch.no_grad():
             x = F.embedding(ids, self.embed).to(self.dtype)  # [B, T, H]
             h = x
@@ -267,41 +266,46 @@ class Transformer:
         o = attention(q, k, v, self.scale)  # [B, T, Hq, D]
         return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
 
-    # int8 one-token steps take _decode_int8 (False: the general forward, for comparisons).
+    # int8 models run cached forwards through _forward_int8 (False: the general forward, for comparisons).
     fast_decode = True
 
-    def _decode_int8(self, ids, positions, cache, head) -> torch.Tensor:
-        """One new token per row through an int8 model: ``_forward``'s math in fewer torch ops.
+    def _forward_int8(self, ids, positions, cache, rows, head) -> torch.Tensor:
+        """A cached forward of an int8 model: ``_forward``'s math in fewer torch ops.
 
         Everything is fp32 and the GEMMs call the int8 op directly, so no op casts, checks shapes
         or picks a backend; rope rotates q and k in one op, and attention is one SDPA call over the
-        cache (a single query needs no mask). Logits ``[B, 1, V]`` fp32; tested against ``_forward``.
+        cache (masked when T > 1). Logits ``[B, n, V]`` fp32; tested against ``_forward``.
         """
         c = self.config
-        b = ids.shape[0]
+        b, t = ids.shape
         hq, hk, d, hidden = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
         qk_cols, eps = (hq + hk) * d, c.rms_norm_eps
         gemm = torch.ops.quantized.linear_dynamic
-        cos, sin = (t.view(b, 1, d) for t in rope_tables(positions, self.inv_freq, self.rope_attention_scaling))
-        h = F.embedding(ids[:, 0], self.embed).float()  # [B, H]
+        cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
+        mask = None
+        if t > 1:  # query j sees the cached positions and new ones up to itself
+            length = cache.length + t
+            mask = torch.arange(length)[None, :] <= torch.arange(cache.length, length)[:, None]  # [T, length]
+        h = F.embedding(ids, self.embed).float()  # [B, T, H]
         for i, layer in enumerate(self.layers):
             qkv = gemm(F.rms_norm(h, (hidden,), layer.input_norm, eps), layer.wqkv.packed, False)
             if layer.bqkv is not None:
                 qkv += layer.bqkv
-            qk = qkv[:, :qk_cols].view(b, hq + hk, d)
-            qk = qk * cos + qk.view(b, hq + hk, 2, d // 2).flip(2).view(b, hq + hk, d) * sin  # rope_ref's rotation
-            k, v = cache.append(i, qk[:, None, hq:], qkv[:, qk_cols:].view(b, 1, hk, d))
-            o = F.scaled_dot_product_attention(qk[:, :hq, None], k.transpose(1, 2), v.transpose(1, 2),
-                                               scale=self.scale, enable_gqa=True)  # [B, Hq, 1, D]
-            o = gemm(o.reshape(b, hq * d), layer.wo.packed, False)
+            qk = qkv[..., :qk_cols].view(b, t, hq + hk, d)
+            qk = qk * cos + qk.view(b, t, hq + hk, 2, d // 2).flip(3).view(b, t, hq + hk, d) * sin  # rope_ref's
+            k, v = cache.append(i, qk[:, :, hq:], qkv[..., qk_cols:].view(b, t, hk, d))
+            o = F.scaled_dot_product_attention(qk[:, :, :hq].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, Hq, T, D]
+            o = gemm(o.transpose(1, 2).reshape(b, t, hq * d), layer.wo.packed, False)
             if layer.bo is not None:
                 o += layer.bo
             h = h + o
             gate_up = gemm(F.rms_norm(h, (hidden,), layer.post_norm, eps), layer.w13.packed, False)
-            inter = gate_up.shape[1] // 2
-            h = h + gemm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w2.packed, False)
-        out = F.rms_norm(h, (hidden,), self.norm, eps)
-        return gemm(out, (self.lm_head if head is None else head).packed, False)[:, None]
+            inter = gate_up.shape[-1] // 2
+            h = h + gemm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], layer.w2.packed, False)
+        if rows is not None:
+            h = h[:, rows]
+        return gemm(F.rms_norm(h, (hidden,), self.norm, eps), (self.lm_head if head is None else head).packed, False)
 
     def _mlp(self, layer: Layer, x) -> torch.Tensor:
         gate, up = linear(x, layer.w13).chunk(2, dim=-1)

@@ -8,6 +8,9 @@ Prints tokens/s, the ratio to autoregressive, tokens per target forward, accepta
 milliseconds per forward, and whether the tokens equal the autoregressive ones.
 
     .venv/bin/python perf/draft_sweep.py [--tokens 48] [--prompts 3] [--dtype bf16] [--threads 1]
+        [--draft-k 3] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384]
+
+``--draft-k`` / ``--cross-k`` take several values to sweep the speculation length of each draft.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 16384], help="draft_vocab values to try")
+    ap.add_argument("--draft-k", type=int, nargs="+", default=[3], help=f"K values for {DRAFT}")
+    ap.add_argument("--cross-k", type=int, nargs="+", default=[4], help=f"K values for {CROSS_DRAFT}")
+    ap.add_argument("--kinds", nargs="+", default=["plain", "int8", "vocab"], choices=["plain", "int8", "vocab"],
+                    help="plain: the draft as loaded; int8: quantize='int8'; vocab: int8 plus each --vocab")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -39,15 +46,18 @@ def main(argv=None) -> int:
     prompts = [p.get("messages") or p["prompt"] for p in load_prompts(limit=args.prompts)]
     target = graphspec.load_model(TARGET, dtype=dtype)
     methods = {"autoregressive": graphspec.Pipeline(target)}
-    for name, k in ((DRAFT, 3), (CROSS_DRAFT, 4)):
+    for name, ks in ((DRAFT, args.draft_k), (CROSS_DRAFT, args.cross_k)):
         short = name.split("-instruct")[0]
-        plain = graphspec.load_model(name, dtype=dtype)
-        int8 = graphspec.load_model(name, dtype=dtype, quantize="int8")
-        methods[f"{short} K={k} {args.dtype}"] = graphspec.Pipeline(target, plain, k)
-        methods[f"{short} K={k} int8"] = graphspec.Pipeline(target, int8, k)
-        for n in args.vocab:
-            if n < int8.config.vocab_size:
-                methods[f"{short} K={k} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, draft_vocab=n)
+        plain = graphspec.load_model(name, dtype=dtype) if "plain" in args.kinds else None
+        int8 = graphspec.load_model(name, dtype=dtype, quantize="int8") if {"int8", "vocab"} & set(args.kinds) else None
+        for k in ks:
+            if plain is not None:
+                methods[f"{short} K={k} {args.dtype}"] = graphspec.Pipeline(target, plain, k)
+            if "int8" in args.kinds:
+                methods[f"{short} K={k} int8"] = graphspec.Pipeline(target, int8, k)
+            for n in args.vocab if "vocab" in args.kinds else ():
+                if n < int8.config.vocab_size:
+                    methods[f"{short} K={k} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, draft_vocab=n)
     print(f"# {machine_info()}", flush=True)
     for pipe in methods.values():  # warm-up
         pipe.run(prompts[0], max_new_tokens=3)

@@ -1,9 +1,10 @@
-"""int8 models (drafts on a CPU): fp32 between the GEMMs, and one-token steps on the lean path.
+"""int8 models (drafts on a CPU): fp32 between the GEMMs, and cached forwards on the lean path.
 
-``Transformer._decode_int8`` is ``_forward``'s math written in fewer torch ops for the step a
-draft runs K times per speculative step; here it must give ``_forward``'s logits (same int8
-GEMMs, same fp32 math, only the op boundaries differ) on every architecture, with biases, a batch,
-explicit positions, a pruned head and each ``logits_for``, and it must really be what runs.
+``Transformer._forward_int8`` is ``_forward``'s math written in fewer torch ops for the steps a
+draft runs (prefill, one-token proposals, multi-token catch-ups); here it must give ``_forward``'s
+logits (same int8 GEMMs, same fp32 math, only the op boundaries differ) on every architecture,
+with biases, a batch, explicit positions, a pruned head and each ``logits_for``, and it must
+really be what runs.
 """
 
 import pytest
@@ -38,46 +39,53 @@ def test_int8_model_computes_in_fp32(model):
     assert model.new_cache(8).dtype == torch.float32
 
 
-def _steps(model, fast, ids, n_steps, positions=None, head=None, logits_for="all"):
+CHUNKS = (7, 1, 2, 1, 3)  # a prefill, then one-token steps and multi-token catch-ups
+
+
+def _steps(model, fast, ids, positions=None, head=None, logits_for="all"):
+    """Logits of every chunk after the prefill, concatenated on the row axis."""
     model.fast_decode = fast
     try:
         cache = model.new_cache(64, batch_size=ids.shape[0])
-        model.step(ids[:, :-n_steps], cache, logits_for="last")
-        out = []
-        for j in range(ids.shape[1] - n_steps, ids.shape[1]):
-            pos = None if positions is None else positions[:, j:j + 1]
-            out.append(model.step(ids[:, j:j + 1], cache, positions=pos, head=head, logits_for=logits_for))
-        assert cache.length == ids.shape[1]
+        out, j = [], 0
+        for n in CHUNKS:
+            pos = None if positions is None else positions[:, j:j + n]
+            logits = model.step(ids[:, j:j + n], cache, positions=pos, head=head,
+                                logits_for="last" if j == 0 else logits_for)
+            out += [logits] if j else []
+            j += n
+        assert cache.length == j == ids.shape[1]
         return torch.cat(out, dim=1)
     finally:
         model.fast_decode = True
 
 
-def test_lean_decode_matches_the_general_forward(model, monkeypatch):
+def test_lean_forward_matches_the_general_forward(model, monkeypatch):
     calls = []
-    lean = type(model)._decode_int8
-    monkeypatch.setattr(type(model), "_decode_int8", lambda self, *a: calls.append(1) or lean(self, *a))
+    lean = type(model)._forward_int8
+    monkeypatch.setattr(type(model), "_forward_int8", lambda self, *a: calls.append(1) or lean(self, *a))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=g)
-    fast = _steps(model, True, ids, 5)
-    assert len(calls) == 5  # every one-token step took the lean path ...
-    general = _steps(model, False, ids, 5)
-    assert len(calls) == 5  # ... and fast_decode=False none
-    assert fast.shape == general.shape == (2, 5, model.config.vocab_size)
+    ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=g)
+    fast = _steps(model, True, ids)
+    assert len(calls) == len(CHUNKS)  # every cached forward took the lean path ...
+    general = _steps(model, False, ids)
+    assert len(calls) == len(CHUNKS)  # ... and fast_decode=False none
+    assert fast.shape == general.shape == (2, sum(CHUNKS[1:]), model.config.vocab_size)
     torch.testing.assert_close(fast, general, rtol=0, atol=ATOL)
     assert general.abs().max() > 0.5  # logits of real size, so the tolerance means something
 
 
-def test_lean_decode_with_positions_head_and_rows(model):
+def test_lean_forward_with_positions_head_and_rows(model):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=g)
-    positions = torch.arange(9).expand(2, 9) * 3 + torch.tensor([[0], [5]])  # rows at their own positions
+    n = sum(CHUNKS)
+    ids = torch.randint(0, model.config.vocab_size, (2, n), generator=g)
+    positions = torch.arange(n).expand(2, n) * 3 + torch.tensor([[0], [5]])  # rows at their own positions
     keep = torch.tensor([0, 3, 7, 11, model.config.vocab_size - 1])
     head = model.head_rows(keep)
     for kw in ({"positions": positions}, {"head": head}, {"logits_for": "last"}, {"logits_for": torch.tensor([0, 0])}):
-        fast, general = _steps(model, True, ids, 3, **kw), _steps(model, False, ids, 3, **kw)
+        fast, general = _steps(model, True, ids, **kw), _steps(model, False, ids, **kw)
         torch.testing.assert_close(fast, general, rtol=0, atol=ATOL)
-    full = _steps(model, True, ids, 3, head=None)
-    torch.testing.assert_close(_steps(model, True, ids, 3, head=head), full[..., keep], rtol=0, atol=ATOL)
-    shifted = _steps(model, True, ids, 3, positions=positions)
+    full = _steps(model, True, ids, head=None)
+    torch.testing.assert_close(_steps(model, True, ids, head=head), full[..., keep], rtol=0, atol=ATOL)
+    shifted = _steps(model, True, ids, positions=positions)
     assert (shifted - full).abs().max() > 1e-2  # positions reach rope: a test of them can fail
