@@ -8,9 +8,10 @@ Prints tokens/s, the ratio to autoregressive, tokens per target forward, accepta
 milliseconds per forward, and whether the tokens equal the autoregressive ones.
 
     .venv/bin/python perf/draft_sweep.py [--tokens 48] [--prompts 3] [--dtype bf16] [--threads 1]
-        [--draft-k 3] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384]
+        [--draft-k 3] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384] [--thresholds 0.4]
 
-``--draft-k`` / ``--cross-k`` take several values to sweep the speculation length of each draft.
+``--draft-k`` / ``--cross-k`` take several values to sweep the speculation length of each draft,
+``--thresholds`` several draft confidence thresholds (``none``: always draft K).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from graphspec.pipeline import DEFAULT_DRAFT_CONFIDENCE_THRESHOLD  # noqa: E402
 from perf._common import CROSS_DRAFT, DRAFT, TARGET, load_prompts, machine_info  # noqa: E402
+
+
+def _threshold(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
 
 
 def main(argv=None) -> int:
@@ -35,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 16384], help="draft_vocab values to try")
     ap.add_argument("--draft-k", type=int, nargs="+", default=[3], help=f"K values for {DRAFT}")
     ap.add_argument("--cross-k", type=int, nargs="+", default=[4], help=f"K values for {CROSS_DRAFT}")
+    ap.add_argument("--thresholds", type=_threshold, nargs="+", default=[DEFAULT_DRAFT_CONFIDENCE_THRESHOLD],
+                    help="draft confidence thresholds to try ('none' drafts K every step); default: the library's")
     ap.add_argument("--kinds", nargs="+", default=["plain", "int8", "vocab"], choices=["plain", "int8", "vocab"],
                     help="plain: the draft as loaded; int8: quantize='int8'; vocab: int8 plus each --vocab")
     args = ap.parse_args(argv)
@@ -51,13 +59,16 @@ def main(argv=None) -> int:
         plain = graphspec.load_model(name, dtype=dtype) if "plain" in args.kinds else None
         int8 = graphspec.load_model(name, dtype=dtype, quantize="int8") if {"int8", "vocab"} & set(args.kinds) else None
         for k in ks:
-            if plain is not None:
-                methods[f"{short} K={k} {args.dtype}"] = graphspec.Pipeline(target, plain, k)
-            if "int8" in args.kinds:
-                methods[f"{short} K={k} int8"] = graphspec.Pipeline(target, int8, k)
-            for n in args.vocab if "vocab" in args.kinds else ():
-                if n < int8.config.vocab_size:
-                    methods[f"{short} K={k} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, draft_vocab=n)
+            for th in args.thresholds:
+                tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "")
+                kw = {"draft_confidence_threshold": th}
+                if plain is not None:
+                    methods[f"{tag} {args.dtype}"] = graphspec.Pipeline(target, plain, k, **kw)
+                if "int8" in args.kinds:
+                    methods[f"{tag} int8"] = graphspec.Pipeline(target, int8, k, **kw)
+                for n in args.vocab if "vocab" in args.kinds else ():
+                    if n < int8.config.vocab_size:
+                        methods[f"{tag} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, draft_vocab=n, **kw)
     print(f"# {machine_info()}", flush=True)
     for pipe in methods.values():  # warm-up
         pipe.run(prompts[0], max_new_tokens=3)
