@@ -1,6 +1,6 @@
 """Cheaper drafts: int8 weights and a pruned vocabulary against the plain draft, one interleaved run.
 
-Target Qwen2.5-Coder-1.5B-Instruct on CPU; drafts Qwen2.5-Coder-0.5B-Instruct (K=3) and
+Target Qwen2.5-Coder-1.5B-Instruct on CPU; drafts Qwen2.5-Coder-0.5B-Instruct (K=5 by default) and
 SmolLM2-135M-Instruct (K=4, across tokenizers), each as loaded (the dtype), with int8 weights
 (``quantize="int8"``), and with int8 weights plus ``draft_vocab`` (the lowest ids plus special
 tokens). Greedy, exactly N tokens per prompt; every prompt runs every method before the next one.
@@ -8,7 +8,7 @@ Prints tokens/s, the ratio to autoregressive, tokens per target forward, accepta
 milliseconds per forward, and whether the tokens equal the autoregressive ones.
 
     .venv/bin/python perf/draft_sweep.py [--tokens 48] [--prompts 3] [--dtype bf16] [--threads 1]
-        [--draft-k 3] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384] [--thresholds 0.4]
+        [--draft-k 5] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384] [--thresholds 0.4]
 
 ``--draft-k`` / ``--cross-k`` take several values to sweep the speculation length of each draft,
 ``--thresholds`` several draft confidence thresholds (``none``: always draft K).
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 16384], help="draft_vocab values to try")
-    ap.add_argument("--draft-k", type=int, nargs="+", default=[3], help=f"K values for {DRAFT}")
+    ap.add_argument("--draft-k", type=int, nargs="+", default=[5], help=f"K values for {DRAFT}")
     ap.add_argument("--cross-k", type=int, nargs="+", default=[4], help=f"K values for {CROSS_DRAFT}")
     ap.add_argument("--thresholds", type=_threshold, nargs="+", default=[DEFAULT_DRAFT_CONFIDENCE_THRESHOLD],
                     help="draft confidence thresholds to try ('none' drafts K every step); default: the library's")

@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None, help="use only the first N prompts")
-    ap.add_argument("--k-model", type=int, default=3, help="K for the 0.5B draft")
+    ap.add_argument("--k-model", type=int, default=5, help="K for the 0.5B draft")
     ap.add_argument("--k-cross", type=int, default=4, help="K for the SmolLM2 draft")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
