@@ -232,7 +232,7 @@ class Transformer:
     def _forward(self, ids, positions, cache, logits_for, head=None) -> torch.Tensor:
         c = self.config
         rows = self._rows(logits_for, ids.shape[1])
-        if self.quantize and self.fast_decode and cache is not None:
+        if self.quantize and self.lean_int8_forward and cache is not None:
             with torch.no_grad():
                 return self._forward_int8(ids, positions, cache, rows, head)
         with use_backend(self.backend), torch.no_grad():
@@ -267,7 +267,7 @@ class Transformer:
         return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
 
     # int8 models run cached forwards through _forward_int8 (False: the general forward, for comparisons).
-    fast_decode = True
+    lean_int8_forward = True
 
     def _forward_int8(self, ids, positions, cache, rows, head) -> torch.Tensor:
         """A cached forward of an int8 model: ``_forward``'s math in fewer torch ops.

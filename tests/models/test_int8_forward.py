@@ -44,7 +44,7 @@ CHUNKS = (7, 1, 2, 1, 3)  # a prefill, then one-token steps and multi-token catc
 
 def _steps(model, fast, ids, positions=None, head=None, logits_for="all"):
     """Logits of every chunk after the prefill, concatenated on the row axis."""
-    model.fast_decode = fast
+    model.lean_int8_forward = fast
     try:
         cache = model.new_cache(64, batch_size=ids.shape[0])
         out, j = [], 0
@@ -57,7 +57,7 @@ def _steps(model, fast, ids, positions=None, head=None, logits_for="all"):
         assert cache.length == j == ids.shape[1]
         return torch.cat(out, dim=1)
     finally:
-        model.fast_decode = True
+        model.lean_int8_forward = True
 
 
 def test_lean_forward_matches_the_general_forward(model, monkeypatch):
@@ -69,7 +69,7 @@ def test_lean_forward_matches_the_general_forward(model, monkeypatch):
     fast = _steps(model, True, ids)
     assert len(calls) == len(CHUNKS)  # every cached forward took the lean path ...
     general = _steps(model, False, ids)
-    assert len(calls) == len(CHUNKS)  # ... and fast_decode=False none
+    assert len(calls) == len(CHUNKS)  # ... and lean_int8_forward=False none
     assert fast.shape == general.shape == (2, sum(CHUNKS[1:]), model.config.vocab_size)
     torch.testing.assert_close(fast, general, rtol=0, atol=ATOL)
     assert general.abs().max() > 0.5  # logits of real size, so the tolerance means something
