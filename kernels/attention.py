@@ -68,6 +68,11 @@ def _validate(q, k, v, scale):
 
 # ----------------------------------------------------------------------------- torch reference
 
+def causal_mask(t: int, length: int, device=None) -> torch.Tensor:
+    """``[t, length]`` bool: the last t of ``length`` positions as queries, each seeing keys up to itself."""
+    return torch.arange(length, device=device)[None, :] <= torch.arange(length - t, length, device=device)[:, None]
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Plain fp32 attention: the oracle for the Triton kernels and the CPU path of the model."""
     scale = _validate(q, k, v, scale)
@@ -82,9 +87,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     vf = v.float().transpose(1, 2)
     mask = None
     if T > 1:
-        qpos = torch.arange(L - T, L, device=q.device)
-        mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]  # [T, L]
-        mask = mask.repeat(G, 1)  # [G*T, L]
+        mask = causal_mask(T, L, q.device).repeat(G, 1)  # [G*T, L]
     out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)  # [B, Hk, G*T, D]
     out = out.reshape(B, Hk, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
     return out.to(q.dtype)

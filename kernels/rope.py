@@ -184,7 +184,12 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
             torch.cat((-sin, sin), dim=-1)[:, :, None, :].contiguous())
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [..., D]`` by :func:`rope_tables`' ``cos, signed_sin`` (torch, no checks), in x's dtype.
+
+    The torch path of :func:`rope` for one tensor; a caller that already holds fp32 activations
+    (the int8 model's lean forward) rotates q and k together with one call.
+    """
     # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1) written as
     # cat(x2, x1) * cat(-s, s): the same products and sums as rope_ref, so the same bits (tested).
     xf = x.float()
@@ -257,4 +262,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
             if tab.shape != (bsz, t, 1, d) or tab.dtype != torch.float32:
                 raise ValueError(f"tables' {name} has {tab.dtype} {tuple(tab.shape)}; expected fp32 "
                                  f"{(bsz, t, 1, d)}: pass rope_tables(positions, inv_freq, attention_scaling)")
-    return _rotate(q, *tables), _rotate(k, *tables)
+    return rope_rotate(q, *tables), rope_rotate(k, *tables)

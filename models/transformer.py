@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from graphspec.kernels._dispatch import use_backend
-from graphspec.kernels.attention import attention
+from graphspec.kernels.attention import attention, causal_mask
 from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.rmsnorm import rmsnorm
-from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
+from graphspec.kernels.rope import rope, rope_inv_freq, rope_rotate, rope_tables
 from graphspec.kernels.silu_mul import silu_mul
 from graphspec.models.config import ModelConfig
 from graphspec.models.kv_cache import KVCache
@@ -273,7 +273,7 @@ class Transformer:
         """A cached forward of an int8 model: ``_forward``'s math in fewer torch ops.
 
         Everything is fp32 and the GEMMs call the int8 op directly, so no op casts, checks shapes
-        or picks a backend; rope rotates q and k in one op, and attention is one SDPA call over the
+        or picks a backend; rope rotates q and k in one call, and attention is one SDPA call over the
         cache (masked when T > 1). Logits ``[B, n, V]`` fp32; tested against ``_forward``.
         """
         c = self.config
@@ -282,17 +282,14 @@ class Transformer:
         qk_cols, eps = (hq + hk) * d, c.rms_norm_eps
         gemm = torch.ops.quantized.linear_dynamic
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
-        mask = None
-        if t > 1:  # query j sees the cached positions and new ones up to itself
-            length = cache.length + t
-            mask = torch.arange(length)[None, :] <= torch.arange(cache.length, length)[:, None]  # [T, length]
+        mask = causal_mask(t, cache.length + t) if t > 1 else None  # a single query sees every cached key
         h = F.embedding(ids, self.embed).float()  # [B, T, H]
         for i, layer in enumerate(self.layers):
             qkv = gemm(F.rms_norm(h, (hidden,), layer.input_norm, eps), layer.wqkv.packed, False)
             if layer.bqkv is not None:
                 qkv += layer.bqkv
             qk = qkv[..., :qk_cols].view(b, t, hq + hk, d)
-            qk = qk * cos + qk.view(b, t, hq + hk, 2, d // 2).flip(3).view(b, t, hq + hk, d) * sin  # rope_ref's
+            qk = rope_rotate(qk, cos, sin)
             k, v = cache.append(i, qk[:, :, hq:], qkv[..., qk_cols:].view(b, t, hk, d))
             o = F.scaled_dot_product_attention(qk[:, :, :hq].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, Hq, T, D]
