@@ -153,8 +153,24 @@ def load_prompts(kinds: tuple[str, ...] | None = None, limit: int | None = None)
     return prompts[:limit] if limit is not None else prompts
 
 
-def save_json(name: str, data: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / name
+def output_path(name: str) -> Path:
+    """Where ``--out NAME`` goes: a bare file name under perf/results/, a path with a folder as given.
+
+    Checked before a run starts (the folder is created and must be writable), so a bad path fails
+    in the first second rather than after the benchmark has run for minutes.
+    """
+    path = Path(name) if (os.sep in name or Path(name).is_absolute()) else RESULTS_DIR / name
+    if path.suffix != ".json":
+        raise SystemExit(f"--out {name!r}: results are written as JSON; give a name ending in .json")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {name!r}: cannot make {path.parent} ({e.strerror}); give a writable path") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise SystemExit(f"--out {name!r}: {path} is not writable; give a writable path")
+    return path
+
+
+def save_json(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     return path

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from perf._common import TARGET, machine_info, read_bandwidth, save_json, step_times, step_weight_bytes  # noqa: E402
+from perf._common import TARGET, machine_info, output_path, read_bandwidth, save_json, step_times, step_weight_bytes  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -49,8 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--min-rows", type=int, nargs="+", default=None, metavar="ROWS",
                     help="also time with products of fewer rows padded to these row counts (kernels.linear.MIN_ROWS; "
                          "1 = unpadded); default: the library's setting only")
-    ap.add_argument("--out", default="cpu_step.json")
+    ap.add_argument("--out", default="cpu_step.json",
+                    help="a .json file name (under perf/results/) or a path with a folder")
     args = ap.parse_args(argv)
+    out = output_path(args.out)
 
     import importlib
 
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
                           f"{100 * row['fraction_of_bandwidth']:.0f}% of read bw", flush=True)
         del model
     result["read_bandwidth_after"] = read_bandwidth()
-    path = save_json(args.out, result)
+    path = save_json(out, result)
     print(f"# wrote {path}")
     return 0
 

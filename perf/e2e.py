@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, machine_info, read_bandwidth,  # noqa: E402
-                          save_json, step_weight_bytes)
+                          output_path, save_json, step_weight_bytes)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 METHODS = ("ar", "spec_0.5b", "spec_smollm2", "ngram")
@@ -325,9 +325,11 @@ def main(argv=None) -> int:
                     help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); default: whole vocabulary")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
+                                                 "default e2e.json (e2e-short.json with --short)")
     ap.add_argument("--no-acceptance-file", action="store_true")
     args = ap.parse_args(argv)
+    out = output_path(args.out or ("e2e-short.json" if args.short else "e2e.json"))
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
                                if k not in ("tokens_per_second", "first_difference", "hf_peer"))
             log(f"  = {method:18s} {row['tokens_per_second']:6.2f} tok/s  {extras}")
     report["machine"]["loadavg_end"] = list(os.getloadavg())
-    path = save_json(args.out or ("e2e-short.json" if args.short else "e2e.json"), report)
+    path = save_json(out, report)
     log(f"# wrote {path}")
     if not args.no_acceptance_file:
         log(f"# wrote {write_acceptance(report)}")
