@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, machine_info, read_bandwidth,  # noqa: E402
                           output_path, save_json, step_weight_bytes)
 
+from graphspec.cli import AUTO_DRAFT_VOCAB  # noqa: E402
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 METHODS = ("ar", "spec_0.5b", "spec_smollm2", "ngram")
 HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
@@ -322,7 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                    help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); default: whole vocabulary")
+                    help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); 0 keeps them whole; "
+                         f"default: as the CLI's --draft-vocab auto ({AUTO_DRAFT_VOCAB} for int8 drafts)")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
@@ -330,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-acceptance-file", action="store_true")
     args = ap.parse_args(argv)
     out = output_path(args.out or ("e2e-short.json" if args.short else "e2e.json"))
+    if args.draft_vocab is None:
+        args.draft_vocab = AUTO_DRAFT_VOCAB if args.draft_quantize == "int8" else 0
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -362,7 +367,7 @@ def main(argv=None) -> int:
         ks = {"spec_0.5b": args.k_model, "spec_smollm2": args.k_cross, "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
-                                   args.draft_vocab)
+                                   args.draft_vocab or None)
         summary = compare({**ours, **hf}, info["weight_bytes"], bw)
         report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
         for method, row in summary.items():

@@ -10,6 +10,7 @@ import gc
 
 import pytest
 
+from graphspec.cli import AUTO_DRAFT_VOCAB
 from perf import e2e
 from perf._common import load_prompts
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.e2e
 CASES = [(d, m) for d in ("bf16", "fp32") for m in (*e2e.METHODS, *e2e.HF_METHODS)]
 K = {"spec_0.5b": 5, "spec_smollm2": 4, "ngram": 4}  # as perf/e2e.py
 DRAFT_QUANTIZE = "int8"  # as perf/e2e.py and the CLI on a CPU
+DRAFT_VOCAB = AUTO_DRAFT_VOCAB  # likewise (the CLI's --draft-vocab auto for an int8 draft)
 
 
 class _Pool:
@@ -59,7 +61,8 @@ def test_generate(benchmark, request, pool, workload, dtype_name, method):
     if method in e2e.HF_METHODS:
         gen = e2e.hf_runner(method, dtype, pool.get("hf", dtype_name))
     else:
-        gen = e2e.graphspec_runner(method, dtype, pool.get("graphspec", dtype_name), K.get(method), DRAFT_QUANTIZE)
+        gen = e2e.graphspec_runner(method, dtype, pool.get("graphspec", dtype_name), K.get(method), DRAFT_QUANTIZE,
+                                     DRAFT_VOCAB)
     gen(prompt_ids[0][:16], 4)  # warm-up
     runs = []
     benchmark.group = f"e2e {dtype_name}"

@@ -87,6 +87,24 @@ def test_run_chat_and_sampling_flags(tiny):
     assert again.stdout == p.stdout, "the same seed must give the same text"
 
 
+def test_draft_vocab_auto_prunes_int8_drafts_only():
+    from types import SimpleNamespace
+
+    from graphspec.cli import AUTO_DRAFT_VOCAB, _draft_kw
+
+    int8, plain = SimpleNamespace(quantize="int8"), SimpleNamespace(quantize=None)
+
+    def kw(draft_arg, vocab, draft):
+        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab), draft).get("draft_vocab")
+
+    assert kw("m", "auto", int8) == AUTO_DRAFT_VOCAB
+    assert kw("m", "auto", plain) is None
+    assert kw("ngram", "auto", "ngram") is None
+    assert kw(None, "auto", None) is None
+    assert kw("m", "none", int8) is None
+    assert kw("m", 300, plain) == 300
+
+
 @pytest.mark.parametrize("args, fragments", [
     (("run", "--target", "no-such-model-name", "hi"), ["no-such-model-name"]),
     (("run", "--target", "/nonexistent/dir/model", "hi"), ["/nonexistent/dir/model"]),
@@ -100,6 +118,7 @@ def test_run_chat_and_sampling_flags(tiny):
     (("run", "--target", "TINY", "--draft-vocab", "100", "hi"), ["--draft-vocab"]),
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-vocab", "100", "hi"), ["--draft-vocab"]),
     (("run", "--target", "TINY", "--draft-vocab", "0", "hi"), ["--draft-vocab"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-vocab", "most", "hi"), ["--draft-vocab", "most"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-quantize", "int4", "hi"), ["--draft-quantize"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
