@@ -60,18 +60,17 @@ def _steps(model, fast, ids, positions=None, head=None, logits_for="all"):
         model.lean_int8_forward = True
 
 
-@pytest.mark.parametrize("batch", [2, 1])  # a draft runs one row; the tests below, two
-def test_lean_forward_matches_the_general_forward(model, monkeypatch, batch):
+def test_lean_forward_matches_the_general_forward(model, monkeypatch):
     calls = []
     lean = type(model)._forward_int8
     monkeypatch.setattr(type(model), "_forward_int8", lambda self, *a: calls.append(1) or lean(self, *a))
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, sum(CHUNKS)), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=g)
     fast = _steps(model, True, ids)
     assert len(calls) == len(CHUNKS)  # every cached forward took the lean path ...
     general = _steps(model, False, ids)
     assert len(calls) == len(CHUNKS)  # ... and lean_int8_forward=False none
-    assert fast.shape == general.shape == (batch, sum(CHUNKS[1:]), model.config.vocab_size)
+    assert fast.shape == general.shape == (2, sum(CHUNKS[1:]), model.config.vocab_size)
     torch.testing.assert_close(fast, general, rtol=0, atol=ATOL)
     assert general.abs().max() > 0.5  # logits of real size, so the tolerance means something
 
