@@ -37,12 +37,6 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-# --draft-vocab auto for an int8 (CPU) draft: Qwen2.5-Coder-0.5B int8 drafting for the 1.5B, bf16,
-# 1 thread, 4 prompts x 64 tokens: draft forward 32.6 -> 28.4 ms at the same 2.81 tokens per target
-# forward, 1.67x -> 1.77x autoregressive (perf/RESULTS.md). Vocabularies up to this size are kept whole.
-AUTO_DRAFT_VOCAB = 65536
-
-
 def _draft_vocab(text: str) -> int | str:
     if text in ("auto", "none"):
         return text
@@ -102,7 +96,7 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                         "auto = int8 on a CPU")
     p.add_argument("--draft-vocab", type=_draft_vocab, default="auto", metavar="N",
                    help="prune the draft's vocabulary to its N lowest ids plus special tokens (a cheaper draft "
-                        f"lm_head; output unchanged); 'none' keeps it whole; auto = {AUTO_DRAFT_VOCAB} for an "
+                        "lm_head; output unchanged); 'none' keeps it whole; auto (the default) = 65536 for an "
                         "int8 draft, else none")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
                    help="a model draft stops proposing once it gives its own token less than P "
@@ -250,22 +244,22 @@ def _pipelines(args):
     return target, draft, graphspec
 
 
-def _draft_kw(args, draft) -> dict:
+def _draft_kw(args) -> dict:
     kw = {"draft_confidence_threshold": args.draft_confidence} if hasattr(args, "draft_confidence") else {}
     model_draft = args.draft is not None and args.draft != "ngram"
     if isinstance(args.draft_vocab, int):
         if not model_draft:
             raise CLIError("--draft-vocab prunes a model draft's vocabulary; give --draft a model")
         kw["draft_vocab"] = args.draft_vocab
-    elif args.draft_vocab == "auto" and getattr(draft, "quantize", None):  # an int8 model draft
-        kw["draft_vocab"] = AUTO_DRAFT_VOCAB
+    elif args.draft_vocab == "auto" and model_draft:
+        kw["draft_vocab"] = "auto"  # graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft, else all
     return kw
 
 
 def _cmd_run(args) -> int:
     target, draft, graphspec = _pipelines(args)
     pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
-                              **_draft_kw(args, draft))
+                              **_draft_kw(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
@@ -346,7 +340,7 @@ def _cmd_bench(args) -> int:
     k = max(args.k, args.max_k)
     base = graphspec.Pipeline(target)
     spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping,
-                              **_draft_kw(args, draft))
+                              **_draft_kw(args))
     has_template = getattr(target.tokenizer, "has_chat_template", False)
 
     def as_prompt(item):

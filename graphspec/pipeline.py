@@ -204,7 +204,8 @@ class Pipeline:
     ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
     a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
     ``draft_vocab``: prune a model draft's vocabulary to its ``n`` lowest ids (plus special tokens) or to
-    given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless.
+    given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless. "auto":
+    65536 ids for an int8 draft (the CLI's default), the whole vocabulary for any other.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,

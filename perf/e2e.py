@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, machine_info, read_bandwidth,  # noqa: E402
                           output_path, save_json, step_weight_bytes)
 
-from graphspec.cli import AUTO_DRAFT_VOCAB  # noqa: E402
+from graphspec.drafters import AUTO_DRAFT_VOCAB  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 METHODS = ("ar", "spec_0.5b", "spec_smollm2", "ngram")
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); 0 keeps them whole; "
-                         f"default: as the CLI's --draft-vocab auto ({AUTO_DRAFT_VOCAB} for int8 drafts)")
+                         f"default: {AUTO_DRAFT_VOCAB} for int8 drafts, as draft_vocab='auto' and the CLI")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "

@@ -87,22 +87,18 @@ def test_run_chat_and_sampling_flags(tiny):
     assert again.stdout == p.stdout, "the same seed must give the same text"
 
 
-def test_draft_vocab_auto_prunes_int8_drafts_only():
+def test_draft_vocab_flag_reaches_the_pipeline():
     from types import SimpleNamespace
 
-    from graphspec.cli import AUTO_DRAFT_VOCAB, _draft_kw
+    from graphspec.cli import _draft_kw
 
-    int8, plain = SimpleNamespace(quantize="int8"), SimpleNamespace(quantize=None)
+    def kw(draft_arg, vocab):
+        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab)).get("draft_vocab")
 
-    def kw(draft_arg, vocab, draft):
-        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab), draft).get("draft_vocab")
-
-    assert kw("m", "auto", int8) == AUTO_DRAFT_VOCAB
-    assert kw("m", "auto", plain) is None
-    assert kw("ngram", "auto", "ngram") is None
-    assert kw(None, "auto", None) is None
-    assert kw("m", "none", int8) is None
-    assert kw("m", 300, plain) == 300
+    assert kw("m", "auto") == "auto"  # the library resolves it: pruned for an int8 draft only
+    assert kw("ngram", "auto") is None and kw(None, "auto") is None
+    assert kw("m", "none") is None
+    assert kw("m", 300) == 300
 
 
 @pytest.mark.parametrize("args, fragments", [

@@ -88,8 +88,8 @@ def test_pruned_draft_vocabulary(dirs, models):
     assert set(range(100)) | {i for i in specials if i < other.config.vocab_size} == set(ids.tolist())
     assert draft_vocab_ids(other, None) is None and draft_vocab_ids(other, other.config.vocab_size) is None
     assert draft_vocab_ids(other, [5, 3, 5]).tolist() == [3, 5]
-    for bad, match in ((0, "at least one"), ([other.config.vocab_size], r"in \[0, "), ("abc", "int token ids"),
-                       (True, "positive int")):
+    for bad, match in ((0, "at least one"), ([other.config.vocab_size], r"in \[0, "), ("abc", "'auto'"),
+                       ([1, "x"], "int token ids"), (True, "positive int")):
         with pytest.raises(ValueError, match=match):
             draft_vocab_ids(other, bad)
     # The kept logits are the full head's logits at those ids; everything else is -inf.
@@ -108,6 +108,22 @@ def test_pruned_draft_vocabulary(dirs, models):
     for keep in (40, 300):
         pipe = graphspec.Pipeline(target, other, num_speculative_tokens=3, draft_vocab=keep)
         assert pipe.run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids == ref
+
+
+def test_auto_draft_vocabulary_prunes_int8_drafts_only(dirs, models, monkeypatch):
+    import graphspec.drafters as drafters
+
+    target, other = models
+    other_int8 = graphspec.load_model(dirs[1], quantize="int8")
+    assert drafters.draft_vocab_ids(other_int8, "auto") is None  # 448 ids: under AUTO_DRAFT_VOCAB, kept whole
+    monkeypatch.setattr(drafters, "AUTO_DRAFT_VOCAB", 100)
+    assert drafters.draft_vocab_ids(other, "auto") is None  # not int8: every logit
+    assert drafters.draft_vocab_ids(other_int8, "auto").tolist() == drafters.draft_vocab_ids(other_int8, 100).tolist()
+    prompt_ids = target.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)
+    ref = graphspec.Pipeline(target).run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids
+    pipe = graphspec.Pipeline(target, str(dirs[1]), num_speculative_tokens=3, draft_quantize="int8", draft_vocab="auto")
+    assert len(pipe.graph["draft"].head) == len(drafters.draft_vocab_ids(other_int8, 100))
+    assert pipe.run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids == ref
     with pytest.raises(ValueError, match="needs a model draft"):
         graphspec.Pipeline(target, "ngram", draft_vocab=10)
     beyond = [other.config.vocab_size - 1]  # the draft's padded embedding is wider than the target's vocabulary
