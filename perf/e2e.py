@@ -105,7 +105,7 @@ def hf_runner(method: str, dtype, pool: dict):
 
 
 def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft_quantize: str | None = None,
-                     draft_vocab: int | None = None):
+                     draft_vocab: int | str | None = None):
     import graphspec
     from graphspec.models import load_model
 
@@ -182,7 +182,7 @@ def _available_bytes() -> int:
 
 
 def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, log,
-              draft_quantize: str | None = None, draft_vocab: int | None = None) -> tuple[dict, dict, dict]:
+              draft_quantize: str | None = None, draft_vocab: int | str | None = None) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
     drafts = {DRAFT: ("spec_0.5b", "hf_assist_0.5b"), CROSS_DRAFT: ("spec_smollm2", "hf_assist_smollm2")}
     one_family = _model_bytes(TARGET, dtype) + sum(
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); 0 keeps them whole; "
-                         f"default: {AUTO_DRAFT_VOCAB} for int8 drafts, as draft_vocab='auto' and the CLI")
+                         f"default: Pipeline(draft_vocab='auto') as the CLI ({AUTO_DRAFT_VOCAB} ids for int8 drafts)")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
@@ -333,8 +333,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-acceptance-file", action="store_true")
     args = ap.parse_args(argv)
     out = output_path(args.out or ("e2e-short.json" if args.short else "e2e.json"))
-    if args.draft_vocab is None:
-        args.draft_vocab = AUTO_DRAFT_VOCAB if args.draft_quantize == "int8" else 0
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -367,7 +365,7 @@ def main(argv=None) -> int:
         ks = {"spec_0.5b": args.k_model, "spec_smollm2": args.k_cross, "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
-                                   args.draft_vocab or None)
+                                   "auto" if args.draft_vocab is None else args.draft_vocab or None)
         summary = compare({**ours, **hf}, info["weight_bytes"], bw)
         report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
         for method, row in summary.items():

@@ -10,7 +10,6 @@ import gc
 
 import pytest
 
-from graphspec.drafters import AUTO_DRAFT_VOCAB
 from perf import e2e
 from perf._common import load_prompts
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.e2e
 CASES = [(d, m) for d in ("bf16", "fp32") for m in (*e2e.METHODS, *e2e.HF_METHODS)]
 K = {"spec_0.5b": 5, "spec_smollm2": 4, "ngram": 4}  # as perf/e2e.py
 DRAFT_QUANTIZE = "int8"  # as perf/e2e.py and the CLI on a CPU
-DRAFT_VOCAB = AUTO_DRAFT_VOCAB  # likewise (draft_vocab='auto' for an int8 draft, the CLI's default)
+DRAFT_VOCAB = "auto"  # likewise: graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft
 
 
 class _Pool:

@@ -108,6 +108,12 @@ def test_pruned_draft_vocabulary(dirs, models):
     for keep in (40, 300):
         pipe = graphspec.Pipeline(target, other, num_speculative_tokens=3, draft_vocab=keep)
         assert pipe.run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids == ref
+    with pytest.raises(ValueError, match="needs a model draft"):
+        graphspec.Pipeline(target, "ngram", draft_vocab=10)
+    beyond = [other.config.vocab_size - 1]  # the draft's padded embedding is wider than the target's vocabulary
+    assert beyond[0] >= target.config.vocab_size
+    with pytest.raises(ValueError, match="no id below the target's vocabulary"):
+        graphspec.Pipeline(target, other, draft_vocab=beyond).run(prompt_ids, max_new_tokens=2)
 
 
 def test_auto_draft_vocabulary_prunes_int8_drafts_only(dirs, models, monkeypatch):
@@ -124,12 +130,6 @@ def test_auto_draft_vocabulary_prunes_int8_drafts_only(dirs, models, monkeypatch
     pipe = graphspec.Pipeline(target, str(dirs[1]), num_speculative_tokens=3, draft_quantize="int8", draft_vocab="auto")
     assert len(pipe.graph["draft"].head) == len(drafters.draft_vocab_ids(other_int8, 100))
     assert pipe.run(prompt_ids, max_new_tokens=20, ignore_eos=True).token_ids == ref
-    with pytest.raises(ValueError, match="needs a model draft"):
-        graphspec.Pipeline(target, "ngram", draft_vocab=10)
-    beyond = [other.config.vocab_size - 1]  # the draft's padded embedding is wider than the target's vocabulary
-    assert beyond[0] >= target.config.vocab_size
-    with pytest.raises(ValueError, match="no id below the target's vocabulary"):
-        graphspec.Pipeline(target, other, draft_vocab=beyond).run(prompt_ids, max_new_tokens=2)
 
 
 def test_draft_quantize_is_checked(dirs, models):
