@@ -5,6 +5,11 @@
 - Positions: the T queries are the *last* T of the L keys, query i sits at key position
   ``L - T + i`` and sees keys ``0 .. L - T + i``. Prefill is ``T == L``; decode is ``T == 1``;
   speculative verify is a small T > 1 (causal inside the new block).
+- Trees: ``tree`` (bool ``[T, T]``, see ``ancestor_mask``) replaces causality inside the new block,
+  so a draft tree is verified in one forward: query i sees every cached key ``0 .. L - T - 1`` and
+  new key ``L - T + j`` iff ``tree[i, j]``. Nodes are in topological order (True on the diagonal,
+  False above it), so causal tile skipping stays valid. The Triton kernels read the tree as one
+  int64 bitmask per query (hence T <= 64), behind a constexpr flag: no-tree kernels are unchanged.
 - GQA: query head h reads key/value head ``h // (Hq // Hk)``.
 - Triton, two kernels chosen by the launcher:
   * many queries (prefill): flash attention, one program per (query tile, batch, query head),
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +37,12 @@ import triton.language as tl
 
 from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, use_triton
 
-__all__ = ["attention", "attention_ref"]
+__all__ = ["attention", "attention_ref", "ancestor_mask"]
 
 
 # ----------------------------------------------------------------------------- validation
 
-def _validate(q, k, v, scale):
+def _validate(q, k, v, scale, tree=None):
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
     check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
@@ -63,7 +69,35 @@ def _validate(q, k, v, scale):
         scale = float(scale)
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a positive finite float, got {scale}")
+    if tree is not None:
+        _validate_tree(tree, q)
     return scale
+
+
+def _validate_tree(tree, q):
+    T = q.shape[1]
+    if not isinstance(tree, torch.Tensor):
+        raise ValueError(f"tree must be a bool torch.Tensor of shape ({T}, {T}) or None, got {type(tree).__name__} "
+                         f"(build one with ancestor_mask(parents))")
+    if tree.dtype != torch.bool:
+        raise ValueError(f"tree has dtype {tree.dtype}; it must be torch.bool (tree[i, j] is True iff new query i "
+                         f"sees new key j): pass tree.bool() or build it with ancestor_mask(parents)")
+    if tuple(tree.shape) != (T, T):
+        raise ValueError(f"tree has shape {tuple(tree.shape)} but q has T={T} new tokens; it must be ({T}, {T}), "
+                         f"one row and one column per new token")
+    if tree.device != q.device:
+        raise ValueError(f"tree is on {tree.device} but q is on {q.device}; move the tree to q's device")
+    # Content checks read the values, which on an accelerator would cost a host sync per call.
+    if tree.device.type == "cpu" and T > 0:
+        off = (~tree.diagonal()).nonzero()
+        if len(off):
+            i = int(off[0, 0])
+            raise ValueError(f"tree[{i}, {i}] is False; every new token must see itself (set the diagonal True)")
+        above = torch.triu(tree, diagonal=1).nonzero()
+        if len(above):
+            i, j = int(above[0, 0]), int(above[0, 1])
+            raise ValueError(f"tree[{i}, {j}] is True above the diagonal; a token may only see earlier tokens, so "
+                             f"order the tree's nodes with every ancestor before its descendants")
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -73,9 +107,38 @@ def causal_mask(t: int, length: int, device=None) -> torch.Tensor:
     return torch.arange(length, device=device)[None, :] <= torch.arange(length - t, length, device=device)[:, None]
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Plain fp32 attention: the oracle for the Triton kernels and the CPU path of the model."""
-    scale = _validate(q, k, v, scale)
+def ancestor_mask(parents, device=None) -> torch.Tensor:
+    """The ``[T, T]`` bool tree mask of a draft tree given as parent indices (T = ``len(parents)``).
+
+    ``parents[i]`` is -1 (a root, which sees only the cache and itself) or an earlier node in ``[0, i)``;
+    row i is True at i and at every ancestor of i. E.g. ``[-1, 0, 1, 0]`` gives rows {0}, {0, 1},
+    {0, 1, 2}, {0, 3}; a chain ``[-1, 0, 1, ...]`` gives the causal lower triangle.
+    """
+    parents = list(parents)
+    T = len(parents)
+    rows = []
+    for i, p in enumerate(parents):
+        try:
+            p = operator.index(p)
+        except TypeError:
+            raise ValueError(f"parents[{i}] = {p!r} is not an int; parents holds one parent index per node "
+                             f"(-1 for a root)") from None
+        if not -1 <= p < i:
+            raise ValueError(f"parents[{i}] = {p} must be -1 (a root) or an earlier node in [0, {i}); list every "
+                             f"node after its parent")
+        row = list(rows[p]) if p >= 0 else [False] * T
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool, device=device).reshape(T, T)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  tree: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain fp32 attention: the oracle for the Triton kernels and the CPU path of the model.
+
+    With a ``tree`` the mask over ``[T, L]`` is ``cat([all True [T, L - T], tree], dim=1)``.
+    """
+    scale = _validate(q, k, v, scale, tree)
     B, T, Hq, D = q.shape
     L, Hk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -86,8 +149,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     kf = k.float().transpose(1, 2)  # [B, Hk, L, D]
     vf = v.float().transpose(1, 2)
     mask = None
-    if T > 1:
-        mask = causal_mask(T, L, q.device).repeat(G, 1)  # [G*T, L]
+    if T > 1:  # (a valid one-node tree is [[True]]: no mask either)
+        if tree is None:
+            mask = causal_mask(T, L, q.device)
+        else:
+            mask = torch.cat([tree.new_ones(T, L - T), tree], dim=1)
+        mask = mask.repeat(G, 1)  # [G*T, L]
     out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)  # [B, Hk, G*T, D]
     out = out.reshape(B, Hk, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
     return out.to(q.dtype)
@@ -95,14 +162,27 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 # ----------------------------------------------------------------------------- public op
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              tree: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last T positions (``q[B, T, Hq, D]``) over ``k, v[B, L, Hk, D]``.
 
-    Returns ``[B, T, Hq, D]`` in q's dtype. ``scale`` defaults to ``D ** -0.5``.
+    Returns ``[B, T, Hq, D]`` in q's dtype. ``scale`` defaults to ``D ** -0.5``. ``tree`` (bool ``[T, T]``
+    on q's device, see ``ancestor_mask``) makes new query i see new key j iff ``tree[i, j]``, instead of
+    iff ``j <= i``; every query still sees all ``L - T`` cached keys.
     """
     if use_triton(q):
-        return _attention_triton(q, k, v, scale)
+        return _attention_triton(q, k, v, scale, tree=tree)
     T, L = q.shape[1], k.shape[1]
+    if tree is not None and 1 < T <= _ROWWISE_MAX_T:
+        # As below, one one-row call per row over exactly the keys it sees, gathered: the cache prefix, then
+        # its ancestors and itself in order; bit-identical to a one-token step whose cache held just those.
+        _validate(q, k, v, scale, tree)
+        prefix = torch.arange(L - T, device=k.device)
+        rows = []
+        for j in range(T):
+            keys = torch.cat([prefix, (L - T) + tree[j].nonzero()[:, 0]])
+            rows.append(attention_ref(q[:, j:j + 1], k.index_select(1, keys), v.index_select(1, keys), scale))
+        return torch.cat(rows, dim=1)
     if 1 < T <= _ROWWISE_MAX_T:
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16
         # greedy speculative output drifts from autoregressive: torch's CPU SDPA rounds a row differently
@@ -111,7 +191,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         _validate(q, k, v, scale)
         return torch.cat([attention_ref(q[:, j:j + 1], k[:, :L - T + 1 + j], v[:, :L - T + 1 + j], scale)
                           for j in range(T)], dim=1)
-    return attention_ref(q, k, v, scale)
+    return attention_ref(q, k, v, scale, tree)
 
 
 # Verify-sized blocks (K + 1 rows) take the row-by-row CPU path above; prefill keeps one batched call.
@@ -130,19 +210,27 @@ def _dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, k_base, v_base, n_idx, n_limit, offs_d, mask_d, q_pos,
+def _attend_tile(q, acc, m_i, l_i, k_base, v_base, n_idx, n_limit, offs_d, mask_d, q_pos, q_tree, n_new,
                  stride_kl, stride_kd, stride_vl, stride_vd, qk_scale,
-                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_TREE: tl.constexpr):
     """One key tile of the online softmax, shared by the prefill and split-KV kernels.
 
-    Keys ``n_idx`` below ``n_limit`` that query row i may see (``n_idx <= q_pos[i]``) update the running
-    max ``m_i``, sum ``l_i`` and output ``acc`` (base-2 exponentials; ``qk_scale`` folds in log2 e).
+    Keys ``n_idx`` below ``n_limit`` that query row i may see update the running max ``m_i``, sum ``l_i``
+    and output ``acc`` (base-2 exponentials; ``qk_scale`` folds in log2 e). Row i sees key n iff
+    ``n <= q_pos[i]`` (causal), or with HAS_TREE iff ``n < n_new`` (cached) or bit ``n - n_new`` of the
+    int64 ``q_tree[i]`` is set (``n_new = L - T``, the first new key).
     """
     mask_n = n_idx < n_limit
     kt = tl.load(k_base + n_idx[None, :] * stride_kl + offs_d[:, None] * stride_kd,
                  mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     s = _dot(q, kt, DOT_FP32, DOT_PRECISION) * qk_scale
-    visible = (n_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
+    if HAS_TREE:
+        rel = n_idx - n_new
+        # Clamped shift: a shift by >= 64 is undefined (poison) even in lanes the mask discards.
+        bit = (q_tree[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+        visible = ((rel[None, :] < 0) | (bit != 0)) & mask_n[None, :]
+    else:
+        visible = (n_idx[None, :] <= q_pos[:, None]) & mask_n[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -157,13 +245,14 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, n_idx, n_limit, offs_d, mask_
 @triton.jit
 def _attn_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [B, T, Hq, D]; k, v: [B, L, Hk, D]
+    tree_ptr,  # [T] int64: bit j of query i's word is tree[i, j] (read only with HAS_TREE)
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kl, stride_kh, stride_kd,
     stride_vb, stride_vl, stride_vh, stride_vd,
     stride_ob, stride_ot, stride_oh, stride_od,
     T, L, Hq, D, GROUP, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_TREE: tl.constexpr,
 ):
     """Flash attention for one (query tile, batch, query head); ``qk_scale = scale * log2(e)``."""
     pid_m = tl.program_id(0)
@@ -187,11 +276,17 @@ def _attn_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     q_pos = (L - T) + offs_m  # key position of each query
-    # Causal: this tile's last query sees keys up to q_pos[-1]; later key tiles are skipped.
+    if HAS_TREE:  # padding rows see every key, so their discarded outputs are not 0/0
+        q_tree = tl.load(tree_ptr + offs_m, mask=mask_m, other=-1)
+    else:
+        q_tree = q_pos  # unused
+    # Causal: this tile's last query sees keys up to q_pos[-1]; later key tiles are skipped. A tree
+    # only sees ancestors, which precede it, so the same bound holds.
     hi = tl.minimum(L, (L - T) + (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, start_n + offs_n, L, offs_d, mask_d, q_pos,
-                                     stride_kl, stride_kd, stride_vl, stride_vd, qk_scale, DOT_FP32, DOT_PRECISION)
+                                     q_tree, L - T, stride_kl, stride_kd, stride_vl, stride_vd, qk_scale,
+                                     DOT_FP32, DOT_PRECISION, HAS_TREE)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
@@ -202,13 +297,14 @@ def _attn_prefill_kernel(
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,  # q, o: [B, T, Hq, D]; k, v: [B, L, Hk, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # [B*Hk, S, T*GROUP, D], [B*Hk, S, T*GROUP] x2, fp32
+    tree_ptr,  # [T] int64: bit j of query i's word is tree[i, j] (read only with HAS_TREE)
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kl, stride_kh, stride_kd,
     stride_vb, stride_vl, stride_vh, stride_vd,
     stride_ob, stride_ot, stride_oh, stride_od,
     T, L, Hk, D, GROUP, qk_scale, split_len, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr, HAS_TREE: tl.constexpr,
 ):
     """Flash-decoding: one (batch, kv head, KV split); rows are the T*GROUP queries sharing the kv head.
 
@@ -237,19 +333,24 @@ def _attn_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     q_pos = (L - T) + t
+    if HAS_TREE:  # padding rows see every key, so their discarded outputs are not 0/0
+        q_tree = tl.load(tree_ptr + t, mask=mask_r, other=-1)
+    else:
+        q_tree = q_pos  # unused
     n_lo = split * split_len
     n_hi = tl.minimum(L, n_lo + split_len)
     for start_n in range(n_lo, n_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_base, v_base, start_n + offs_n, n_hi, offs_d, mask_d, q_pos,
-                                     stride_kl, stride_kd, stride_vl, stride_vd, qk_scale, DOT_FP32, DOT_PRECISION)
+                                     q_tree, L - T, stride_kl, stride_kd, stride_vl, stride_vd, qk_scale,
+                                     DOT_FP32, DOT_PRECISION, HAS_TREE)
 
     if DIRECT:
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  out.to(o_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
     else:
-        # A split lying wholly after a row's last visible key leaves (m, l, acc) = (-1e30, 0, 0):
-        # weight 0 in the combine, since split 0 always holds key 0, visible to every row.
+        # A split holding no key a row sees leaves (m, l, acc) = (-1e30, 0, 0): weight 0 in the combine,
+        # since some split holds the row's own key, which every row sees (also in a tree).
         part = (pid_bh * num_splits + split) * n_rows + rows
         tl.store(part_m_ptr + part, m_i, mask=mask_r)
         tl.store(part_l_ptr + part, l_i, mask=mask_r)
@@ -294,6 +395,7 @@ _LOG2E = 1.4426950408889634
 _SPLIT_MAX_ROWS = 128  # T * GROUP rows held by one flash-decoding program
 _SPLIT_MAX_T = 16
 _MAX_SPLITS = 64
+_TREE_MAX_T = 64  # one int64 bitmask per query
 
 
 def _launch_config(q):
@@ -324,15 +426,32 @@ def _default_num_splits(q, B, Hk, L, block_n):
     return max(1, min(want, triton.cdiv(L, block_n), _MAX_SPLITS))
 
 
-def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int | None = None):
+def _tree_bits(tree: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64, word i = sum_j tree[i, j] * 2^j (T <= 64), built on the tree's device (no host sync).
+
+    Bit 63 has weight 1 << 63 = -2^63 in int64; the weights are distinct bits, so every partial sum
+    stays in range and the sum is the two's-complement bit pattern.
+    """
+    T = tree.shape[0]
+    weights = torch.ones(T, dtype=torch.int64, device=tree.device) << torch.arange(T, device=tree.device)
+    return (tree.to(torch.int64) * weights).sum(dim=1)
+
+
+def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int | None = None,
+                      tree: torch.Tensor | None = None):
     """Validate, pick the kernel, launch. ``mode`` ("prefill" / "split") and ``num_splits`` are test hooks."""
-    scale = _validate(q, k, v, scale)
+    scale = _validate(q, k, v, scale, tree)
     B, T, Hq, D = q.shape
     L, Hk = k.shape[1], k.shape[2]
     G = Hq // Hk
+    if tree is not None and T > _TREE_MAX_T:
+        raise ValueError(f"tree attention on the Triton path supports at most {_TREE_MAX_T} new tokens (one int64 "
+                         f"bitmask per query), got T={T}; verify a smaller tree or use backend='torch'")
     out = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0 or T == 0:
         return out
+    has_tree = tree is not None
+    tree_bits = _tree_bits(tree) if has_tree else out  # unused without a tree
     block_d = max(16, triton.next_power_of_2(D))
     dot_fp32, precision = _launch_config(q)
     qk_scale = scale * _LOG2E
@@ -347,9 +466,9 @@ def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int |
         block_n, stages = _pipeline(q, block_m, block_d)
         grid = (triton.cdiv(T, block_m), B * Hq)
         _attn_prefill_kernel[grid](
-            q, k, v, out, *strides, T, L, Hq, D, G, qk_scale,
+            q, k, v, out, tree_bits, *strides, T, L, Hq, D, G, qk_scale,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
-            num_warps=4 if block_d <= 64 else 8, num_stages=stages,
+            HAS_TREE=has_tree, num_warps=4 if block_d <= 64 else 8, num_stages=stages,
         )
         return out
 
@@ -373,9 +492,9 @@ def _attention_triton(q, k, v, scale, mode: str | None = None, num_splits: int |
         part_m = torch.empty((B * Hk, num_splits, n_rows), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     _attn_split_kernel[(B * Hk, num_splits)](
-        q, k, v, out, part_acc, part_m, part_l, *strides, T, L, Hk, D, G, qk_scale, split_len, num_splits,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
-        DIRECT=direct, num_warps=4 if block_m * block_d <= 4096 else 8, num_stages=stages,
+        q, k, v, out, part_acc, part_m, part_l, tree_bits, *strides, T, L, Hk, D, G, qk_scale, split_len,
+        num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_FP32=dot_fp32, DOT_PRECISION=precision,
+        DIRECT=direct, HAS_TREE=has_tree, num_warps=4 if block_m * block_d <= 4096 else 8, num_stages=stages,
     )
     if not direct:
         _attn_combine_kernel[(B * Hk, n_rows)](

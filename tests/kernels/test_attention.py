@@ -1,5 +1,6 @@
 """attention: Triton (both kernels, through the interpreter) against the fp32 reference, and the
-reference against an independent float64 formula; odd shapes, GQA, strided cache views, errors."""
+reference against an independent float64 formula; odd shapes, GQA, strided cache views, errors;
+tree attention (draft trees verified in one forward) against per-row attention over each node's path."""
 
 import importlib
 import sys
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from graphspec.kernels import attention, attention_ref, use_backend
-from graphspec.kernels.attention import _attention_triton
+from graphspec.kernels.attention import _attention_triton, ancestor_mask
 from tests.kernels._compare import assert_close
 from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
@@ -137,6 +138,187 @@ def test_errors_name_the_argument(over, match, backend):
         attention(**_bad(**over))
 
 
+# ----------------------------------------------------------------------------- tree attention
+# A tree row must equal plain causal attention of that one query over the keys on its path:
+# the cache prefix, then its ancestors and itself, root first (the context it would have had
+# if its branch had been decoded token by token).
+
+def test_ancestor_mask_examples():
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(ancestor_mask([-1, 0, 1, 0]), expected)
+    assert torch.equal(ancestor_mask([-1, 0, 1, 2, 3]), torch.ones(5, 5, dtype=torch.bool).tril())  # chain: causal
+    assert torch.equal(ancestor_mask([-1, -1, -1]), torch.eye(3, dtype=torch.bool))  # three roots
+    assert torch.equal(ancestor_mask(torch.tensor([-1, 0, 0, 2])),  # tensor entries are ints too
+                       torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool))
+    empty = ancestor_mask([])
+    assert empty.shape == (0, 0) and empty.dtype == torch.bool
+    assert ancestor_mask([-1, 0], device="cpu").device.type == "cpu"
+
+
+@pytest.mark.parametrize("parents,match", [
+    ([0], r"parents\[0\] = 0 must be -1"),
+    ([-1, 1], r"parents\[1\] = 1 must be -1 .* \[0, 1\)"),
+    ([-1, 0, 3, 0], r"parents\[2\] = 3"),
+    ([-1, -2], r"parents\[1\] = -2"),
+    ([-1, 0.0], r"parents\[1\] = 0.0 is not an int"),
+])
+def test_ancestor_mask_errors(parents, match):
+    with pytest.raises(ValueError, match=match):
+        ancestor_mask(parents)
+
+
+def _random_parents(T, g):
+    """A random draft tree: node i hangs under a random earlier node, or starts a new root (p = 1/4)."""
+    return [-1 if i == 0 or torch.rand(1, generator=g, device="cpu").item() < 0.25
+            else int(torch.randint(0, i, (1,), generator=g, device="cpu")) for i in range(T)]
+
+
+def _path(parents, j):
+    """Node j's ancestors and j itself, root first (walked up from the parent list, not read off the mask)."""
+    path = []
+    while j >= 0:
+        path.append(j)
+        j = parents[j]
+    return path[::-1]
+
+
+def _path_cache(x, T, path, s_max=None):
+    """What a token-by-token decode of node j's branch would hold: the L - T cached keys, then the path's
+    new keys, written into a fresh preallocated cache and sliced to that length (a strided view)."""
+    B, L = x.shape[:2]
+    idx = torch.cat([torch.arange(L - T, device=x.device), (L - T) + torch.tensor(path, device=x.device)])
+    cache = torch.zeros(B, s_max or L + 7, *x.shape[2:], dtype=x.dtype, device=x.device)
+    cache[:, :len(idx)] = x[:, idx]
+    return cache[:, :len(idx)]
+
+
+# (B, cached L - T, Hq, Hk, D): no cache (a new root sees only itself), odd caches, GQA, D in {64, 80, 128}
+TREE_REF_SHAPES = [(2, 0, 8, 2, 80), (1, 13, 6, 1, 64), (2, 31, 4, 4, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T", [1, 5, 9, 17])
+@pytest.mark.parametrize("shape", TREE_REF_SHAPES, ids=lambda s: "B{}C{}H{}x{}D{}".format(*s))
+def test_reference_tree_rows_match_path_attention(shape, T, dtype):
+    B, cached, Hq, Hk, D = shape
+    L = cached + T
+    g = torch.Generator().manual_seed(T + cached)
+    parents = _random_parents(T, g)
+    q, k, v = _inputs(B, T, L, Hq, Hk, D, dtype)
+    tree = ancestor_mask(parents, device=q.device)
+    out = attention_ref(q, k, v, tree=tree)
+    assert out.dtype == dtype and out.shape == (B, T, Hq, D)
+    atol, rtol = (2e-6, 1e-5) if dtype == torch.float32 else TOL[dtype]
+    for j in range(T):
+        path = _path(parents, j)
+        expected = _naive(q[:, j:j + 1], _path_cache(k, T, path), _path_cache(v, T, path), D ** -0.5)
+        assert_close(out[:, j:j + 1], expected, atol, rtol, name=f"attention_ref(tree) row {j}, path {path}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype):
+    """On the CPU path, row j of a tree verify is exactly a one-token step over the prefix and j's path.
+
+    Greedy tree verification is lossless only if each row rounds as the token-by-token decode of its
+    branch would; a chain (the causal lower triangle) must give exactly the plain causal verify.
+    """
+    g = torch.Generator().manual_seed(0)
+    mismatches = []
+    for trial in range(10):
+        T = (2, 3, 5, 8, 11, 16, 9, 4, 20, 33)[trial]  # the last two exceed the row-by-row size: masked reference
+        L = T + 7 * trial + (trial % 3)
+        D = 80 if trial % 2 else 64
+        q = torch.randn(2, T, 9, D, generator=g, device="cpu").to(dtype)
+        k = torch.randn(2, L, 3, D, generator=g, device="cpu").to(dtype)
+        v = torch.randn(2, L, 3, D, generator=g, device="cpu").to(dtype)
+        parents = _random_parents(T, g)
+        tree = ancestor_mask(parents, device="cpu")
+        with use_backend("torch"):
+            full = attention(q, k, v, tree=tree)
+            chain = attention(q, k, v, tree=ancestor_mask(range(-1, T - 1), device="cpu"))
+            causal = attention(q, k, v)
+        if not torch.equal(chain, causal):
+            mismatches.append(f"T={T}: causal tree != tree=None")
+        if T > 16:
+            if not torch.equal(full, attention_ref(q, k, v, tree=tree)):
+                mismatches.append(f"T={T}: not the masked reference")
+            continue
+        for j in range(T):
+            path = _path(parents, j)
+            one = attention_ref(q[:, j:j + 1], _path_cache(k, T, path), _path_cache(v, T, path))
+            if not torch.equal(one, full[:, j:j + 1]):
+                mismatches.append(f"T={T} row {j} path {path}")
+    assert not mismatches, mismatches
+
+
+# (B, T, L, Hq, Hk, D): L == T (no cache), GQA + D=80, T*G=102 rows (BLOCK_M=128), T=64 (bit 63 is the sign bit)
+TREE_TRITON_SHAPES = [
+    (1, 5, 5, 4, 4, 64),
+    (2, 9, 30, 8, 2, 80),
+    (1, 17, 77, 6, 1, 64),
+    (1, 64, 70, 2, 2, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", TREE_TRITON_SHAPES, ids=lambda s: "B{}T{}L{}H{}x{}D{}".format(*s))
+def test_triton_tree_matches_reference(shape, dtype):
+    B, T, L, Hq, Hk, D = shape
+    q, k, v = _inputs(B, T, L, Hq, Hk, D, dtype, q_strided=(T == 9))
+    parents = _random_parents(T, torch.Generator().manual_seed(T))
+    if T == 64:
+        parents[63] = 62  # a deep last row: bits 62 and 63 both set
+    tree = ancestor_mask(parents, device=q.device)
+    expected = attention_ref(q, k, v, tree=tree)
+    atol, rtol = TOL[dtype]
+    for mode, num_splits in (("prefill", None), ("split", 1), ("split", 3)):
+        out = _attention_triton(q, k, v, None, mode=mode, num_splits=num_splits, tree=tree)
+        assert out.dtype == dtype and out.shape == (B, T, Hq, D)
+        assert_close(out, expected, atol, rtol, name=f"attention[{mode}, splits={num_splits}](tree)")
+    with use_backend("triton"):  # the launcher's own choice of kernel
+        assert_close(attention(q, k, v, tree=tree), expected, atol, rtol, name="attention(triton, tree)")
+
+
+def _tree_call(backend, T, tree, L=8):
+    q, k, v = _inputs(1, T, L, 4, 2, 64, torch.float32)
+    q, k, v = q.cpu(), k.cpu(), v.cpu()  # content checks run on CPU trees only (no host sync on a GPU)
+    if backend == "torch":
+        with use_backend("torch"):
+            return attention(q, k, v, tree=tree)
+    return _attention_triton(q, k, v, None, tree=tree)  # these all fail validation, before any launch
+
+
+def _causal(T, at=()):
+    """The causal tree (a chain) on the CPU, with the entries ``(i, j, value)`` of ``at`` overwritten."""
+    tree = torch.ones(T, T, dtype=torch.bool, device="cpu").tril()
+    for i, j, value in at:
+        tree[i, j] = value
+    return tree
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("tree,match", [
+    (_causal(3).long(), "torch.bool"),
+    (torch.ones(3, 4, dtype=torch.bool, device="cpu"), r"shape \(3, 4\) .* must be \(3, 3\)"),
+    (torch.ones(3, dtype=torch.bool, device="cpu"), r"shape \(3,\)"),
+    ([[True]], "torch.Tensor"),
+    (_causal(3, at=[(0, 2, True)]), r"tree\[0, 2\] is True above the diagonal"),
+    (_causal(3, at=[(1, 1, False)]), r"tree\[1, 1\] is False"),
+    (torch.ones(3, 3, dtype=torch.bool, device="meta"), "device"),
+])
+def test_tree_errors_say_what_to_fix(tree, match, backend):
+    with pytest.raises(ValueError, match=match):
+        _tree_call(backend, 3, tree)
+
+
+def test_tree_over_64_tokens_is_torch_only():
+    tree = ancestor_mask(range(-1, 64), device="cpu")
+    with pytest.raises(ValueError, match="at most 64 new tokens"):
+        _tree_call("triton", 65, tree, L=70)
+    out = _tree_call("torch", 65, tree, L=70)
+    assert out.shape == (1, 65, 4, 64) and torch.isfinite(out).all()
+
+
 # ----------------------------------------------------------------------------- sm_90 compile check
 # The interpreter accepts programs a GPU compiler rejects (dot shapes, dtype mixes, shared memory),
 # so the kernels are also compiled ahead of time to sm_90 cubins with the ptxas inside the triton
@@ -144,7 +326,8 @@ def test_errors_name_the_argument(over, match, backend):
 # (``python -m tests.kernels.test_attention``); the helpers live in tests/kernels/_sm90.py.
 
 def _sm90_specs():
-    """The launcher's configurations for D=128 (the largest tiles), fp32 and bf16 (fp16 lowers like bf16)."""
+    """The launcher's configurations for D=128 (the largest tiles), fp32 and bf16 (fp16 lowers like bf16);
+    the largest prefill and split tiles also with a tree (HAS_TREE, an int64 bitmask per query)."""
     mod = importlib.import_module("graphspec.kernels.attention")
     specs = []
     for dt, torch_dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -154,23 +337,28 @@ def _sm90_specs():
         probe = torch.empty(0, dtype=torch_dt)
         precision = "tf32x3" if dt == "fp32" else "tf32"
         block_n, stages = mod._pipeline(probe, 64, 128)
-        specs.append((f"prefill {dt}", mod._attn_prefill_kernel,
-                      {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, **strides, "T": "i32", "L": "i32", "Hq": "i32",
-                       "D": "i32", "GROUP": "i32", "qk_scale": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                       "BLOCK_D": "constexpr", "DOT_FP32": "constexpr", "DOT_PRECISION": "constexpr"},
-                      {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_D": 128, "DOT_FP32": False, "DOT_PRECISION": precision},
-                      {"num_warps": 8, "num_stages": stages}))
-        for block_m, direct in ((16, True), (mod._SPLIT_MAX_ROWS, False)):
+        for tree in (False, True):  # without a tree the launcher passes o_ptr as the unused tree_ptr
+            specs.append((f"prefill {dt}" + (" tree" if tree else ""), mod._attn_prefill_kernel,
+                          {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "tree_ptr": "*i64" if tree else p,
+                           **strides, "T": "i32", "L": "i32", "Hq": "i32", "D": "i32", "GROUP": "i32",
+                           "qk_scale": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
+                           "DOT_FP32": "constexpr", "DOT_PRECISION": "constexpr", "HAS_TREE": "constexpr"},
+                          {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_D": 128, "DOT_FP32": False,
+                           "DOT_PRECISION": precision, "HAS_TREE": tree},
+                          {"num_warps": 8, "num_stages": stages}))
+        for block_m, direct, tree in ((16, True, False), (mod._SPLIT_MAX_ROWS, False, False),
+                                      (mod._SPLIT_MAX_ROWS, False, True)):
             block_n, stages = mod._pipeline(probe, block_m, 128)
-            specs.append((f"split {dt} BLOCK_M={block_m}", mod._attn_split_kernel,
+            specs.append((f"split {dt} BLOCK_M={block_m}" + (" tree" if tree else ""), mod._attn_split_kernel,
                           {"q_ptr": p, "k_ptr": p, "v_ptr": p, "o_ptr": p, "part_acc_ptr": "*fp32",
-                           "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", **strides, "T": "i32", "L": "i32",
+                           "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "tree_ptr": "*i64" if tree else p,
+                           **strides, "T": "i32", "L": "i32",
                            "Hk": "i32", "D": "i32", "GROUP": "i32", "qk_scale": "fp32", "split_len": "i32",
                            "num_splits": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                            "BLOCK_D": "constexpr", "DOT_FP32": "constexpr", "DOT_PRECISION": "constexpr",
-                           "DIRECT": "constexpr"},
+                           "DIRECT": "constexpr", "HAS_TREE": "constexpr"},
                           {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 128, "DOT_FP32": False,
-                           "DOT_PRECISION": precision, "DIRECT": direct},
+                           "DOT_PRECISION": precision, "DIRECT": direct, "HAS_TREE": tree},
                           {"num_warps": 4 if block_m * 128 <= 4096 else 8, "num_stages": stages}))
         specs.append((f"combine {dt}", mod._attn_combine_kernel,
                       {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "o_ptr": p,
