@@ -2,21 +2,22 @@
 
 ``Pipeline(target, draft=None, num_speculative_tokens=5)`` runs ``draft -> verify -> accept`` once per
 step (``verify -> accept`` without a draft); ``load_model`` loads a checkpoint directory or zoo name.
-The stages (``ModelDrafter``, ``NgramDrafter``, ``Verify``, ``GreedyAcceptance``, ``RejectionSampling``)
-and ``Graph`` / ``Stage`` are public so that a stage can be swapped or added.
+The stages (``ModelDrafter``, ``NgramDrafter``, ``Verify``, ``GreedyAcceptance``, ``RejectionSampling``,
+and for draft trees ``TreeVerify`` and ``TreeAcceptance``) and ``Graph`` / ``Stage`` are public so that
+a stage can be swapped or added.
 """
 
-from graphspec.acceptance import GreedyAcceptance, RejectionSampling
+from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance
 from graphspec.drafters import ModelDrafter, NgramDrafter
 from graphspec.graph import Graph, Stage
 from graphspec.pipeline import GenerationResult, Pipeline, build_graph
 from graphspec.state import SamplingParams, State
 from graphspec.stats import GenerationStats
-from graphspec.verify import Verify
+from graphspec.verify import TreeVerify, Verify
 
 __all__ = ["Pipeline", "GenerationResult", "GenerationStats", "SamplingParams", "State", "Graph", "Stage",
            "build_graph", "ModelDrafter", "NgramDrafter", "Verify", "GreedyAcceptance", "RejectionSampling",
-           "load_model"]
+           "TreeVerify", "TreeAcceptance", "load_model"]
 
 
 def __getattr__(name: str):

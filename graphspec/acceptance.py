@@ -20,6 +20,8 @@ pipeline reads ``emitted`` once per step.
   draft's by the drafter that sampled from it. ``draft_probs=None`` means one-hot q (n-gram
   drafts). At temperature 0 every distribution is one-hot and the rule reduces to exact match,
   so it takes the cheaper greedy path; that makes it the default rule for every temperature.
+- ``TreeAcceptance``: the same two rules along a draft tree (``draft_siblings``): the longest path of
+  accepted nodes, siblings tried by recursive rejection sampling when sampling.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from graphspec.graph import Stage
 from graphspec.kernels.rejection import rejection_sample
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
-__all__ = ["GreedyAcceptance", "RejectionSampling", "greedy_accept"]
+__all__ = ["GreedyAcceptance", "RejectionSampling", "TreeAcceptance", "greedy_accept"]
 
 
 def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -98,3 +100,90 @@ class RejectionSampling(Stage):
         uniform = torch.rand((B, R - 1), generator=gen, device=p.device, dtype=torch.float32)
         noise = exponential_noise((B, V), gen, p.device)
         state.emitted, _ = rejection_sample(draft_ids, q, p, uniform, noise)
+
+
+class TreeAcceptance(Stage):
+    """Accept along a draft tree (``draft_parents``, see ``graphspec.verify.TreeVerify``); lossless at every temperature.
+
+    From the pending row, the children of the current row are tried in row order (a chain token
+    first, then its siblings, in the order the drafter drew them):
+
+    - greedy: the child equal to the target's argmax is accepted and the walk goes on from it; when
+      none is, the argmax is the recovered token (the bonus token at a leaf);
+    - sampling: recursive rejection sampling (multi-draft speculative sampling without replacement,
+      Jeon et al. 2024, "Recursive Speculative Decoding"). Child x, drawn from q, is accepted with
+      probability ``min(1, p(x) / q(x))``; on a rejection the target's distribution becomes the
+      residual ``p <- norm(max(0, p - q))`` and q drops x and renormalises (the next sibling was drawn
+      from exactly that q). Each test is one speculative-sampling step for the current p, so the
+      emitted token follows p whatever the drafter chose to branch; when every child is rejected
+      the recovered token is drawn from the last residual.
+
+    ``draft_probs[0, j]`` is the distribution child j's *parent context* gave the drafter (the same
+    q for a chain token and its siblings); None means greedy (one-hot) drafts. Writes ``emitted
+    [1, k + 1]``: the accepted path, then the recovered or bonus token, then -1.
+    """
+
+    reads = ("draft_ids", "draft_probs", "draft_parents", "target_logits", "params", "generator")
+    writes = ("emitted",)
+
+    def __init__(self, name: str = "accept"):
+        super().__init__(name)
+
+    def run(self, state) -> None:
+        params = state.params
+        logits = state.target_logits  # [1, k + 1, V]
+        draft = state.draft_ids[0].tolist()
+        parents = tuple(state.draft_parents)
+        k = len(draft)
+        children: dict[int, list[int]] = {}
+        for j, parent in enumerate(parents):
+            children.setdefault(parent, []).append(j)  # row of draft j is j + 1
+        out: list[int] = []
+        cur = 0
+        extra = state.run.extra.setdefault("tree", {"siblings_proposed": 0, "siblings_accepted": 0})
+        extra["siblings_proposed"] += sum(1 for j, p in enumerate(parents) if p != j)
+        if params.greedy:
+            best = logits[0].argmax(dim=-1).tolist()
+            while True:
+                hit = [j for j in children.get(cur, ()) if draft[j] == best[cur]]
+                out.append(best[cur])
+                if not hit:
+                    break
+                extra["siblings_accepted"] += int(parents[hit[0]] != hit[0])
+                cur = hit[0] + 1
+        else:
+            p_rows = warp_logits(logits[0], params.temperature, params.top_k, params.top_p)  # [k + 1, V]
+            q_all = state.draft_probs
+            if k and (q_all is None or q_all.dtype != torch.float32):
+                raise ValueError("a sampled draft tree needs draft_probs: the fp32 distributions its tokens were "
+                                 "drawn from")
+            gen = state.generator
+            while True:
+                p = p_rows[cur]
+                taken = None
+                kids = children.get(cur, ())
+                q = q_all[0, kids[0]].clone() if kids else None
+                for j in kids:
+                    x = draft[j]
+                    u = float(torch.rand((), generator=gen, device=p.device))
+                    px, qx = float(p[x]), float(q[x])
+                    if qx > 0 and u * qx < px:  # u < p(x) / q(x)
+                        taken = j
+                        break
+                    residual = torch.clamp(p - q, min=0.0)
+                    mass = float(residual.sum())
+                    p = residual / mass if mass > 0 else p  # mass 0 only if p == q, where x was always kept
+                    q[x] = 0.0
+                    total = float(q.sum())
+                    if total <= 0:
+                        break
+                    q = q / total
+                if taken is None:
+                    noise = exponential_noise((1, p.shape[-1]), gen, p.device)
+                    out.append(int(sample(p.view(1, -1), noise)[0]))
+                    break
+                out.append(draft[taken])
+                extra["siblings_accepted"] += int(parents[taken] != taken)
+                cur = taken + 1
+        row = out + [-1] * (k + 1 - len(out))
+        state.emitted = torch.tensor([row], dtype=torch.int64, device=logits.device)

@@ -56,6 +56,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def _nonneg_float(text: str) -> float:
     try:
         v = float(text)
@@ -98,6 +108,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                    help="prune the draft's vocabulary to its N lowest ids plus special tokens (a cheaper draft "
                         "lm_head; output unchanged); 'none' keeps it whole; auto (the default) = 65536 for an "
                         "int8 draft, else none")
+    p.add_argument("--draft-siblings", type=_nonneg_int, default=0, metavar="N",
+                   help="a draft tree: up to N alternative tokens beside the draft's chain, in the verify rows the "
+                        "chain left unused (same-vocabulary model drafts; output unchanged; default 0: a chain)")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
                    help="a model draft stops proposing once it gives its own token less than P "
                         "(default 0.4; 'none' always drafts K)")
@@ -253,6 +266,10 @@ def _draft_kw(args) -> dict:
         kw["draft_vocab"] = args.draft_vocab
     elif args.draft_vocab == "auto" and model_draft:
         kw["draft_vocab"] = "auto"  # graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft, else all
+    if args.draft_siblings:
+        if not model_draft:
+            raise CLIError("--draft-siblings branches a model draft's proposals; give --draft a model")
+        kw["draft_siblings"] = args.draft_siblings
     return kw
 
 

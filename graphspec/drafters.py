@@ -14,6 +14,10 @@ and ``draft_probs`` (``[1, k, V_target]`` fp32, or None when the draft carries n
   and pass q on, because the acceptance ratio p/q is only lossless for the q the token came from.
   The draft's logits are cut (or q zero-padded) to the target's vocabulary width, so it never
   proposes an id the target does not have (embedding tables are often padded differently).
+  With ``siblings=n`` it proposes a draft tree: after its chain, up to n sibling leaves (the
+  draft's next choices at the depths where reaching them and being wrong is likeliest) fill the
+  verify rows the chain left unused, and it writes ``draft_parents`` (see ``TreeVerify``). Its own
+  cache then keeps only the chain tokens that were committed, since the target may take a sibling.
 - ``NgramDrafter`` (prompt lookup): proposes the continuation of the most recent earlier
   occurrence of the last n committed tokens, n = max_ngram .. min_ngram. An index from n-gram to
   its latest end position is updated with the new tokens only, so a step costs O(new tokens);
@@ -44,6 +48,12 @@ def prefill(model, cache, tokens: list[int], device) -> None:
     if tokens:
         ids = torch.tensor([tokens], dtype=torch.int64, device=device)
         model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
+
+
+def check_siblings(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"draft_siblings must be an int >= 0 (0: a plain chain of drafts), got {value!r}")
+    return value
 
 
 def check_confidence_threshold(value) -> float | None:
@@ -175,8 +185,12 @@ class ModelDrafter(Stage):
     reads = DRAFT_READS
     writes = DRAFT_WRITES
 
-    def __init__(self, model, name: str = "draft", confidence_threshold: float | None = None, draft_vocab=None):
+    def __init__(self, model, name: str = "draft", confidence_threshold: float | None = None, draft_vocab=None,
+                 siblings: int = 0):
         super().__init__(name)
+        self.siblings = check_siblings(siblings)
+        if self.siblings:  # a draft tree: the verify and accept stages must read its shape
+            self.writes = DRAFT_WRITES + ("draft_parents",)
         for attr in ("step", "new_cache", "config"):
             if not hasattr(model, attr):
                 raise ValueError(f"ModelDrafter needs a graphspec model (with .{attr}); got {type(model).__name__}")
@@ -209,16 +223,31 @@ class ModelDrafter(Stage):
         k = state.num_draft
         if k <= 0:
             _empty_draft(state)
+            if self.siblings:
+                state.draft_parents = ()
             return
         run = state.run
-        cache = state.scratch(self)["cache"]
+        scratch = state.scratch(self)
+        cache = scratch["cache"]
         n = len(state.tokens)
-        # Everything past n - 1 is either the pending token or a rejected draft.
-        cache.truncate(min(cache.length, n - 1))
+        if self.siblings:
+            # The target may have taken a sibling where this cache holds the chain's token: keep only
+            # the chain tokens that were committed.
+            start, fed = scratch.get("fed", (n, []))
+            same = 0
+            for a, b in zip(fed, state.tokens[start:n - 1]):
+                if a != b:
+                    break
+                same += 1
+            cache.truncate(min(cache.length, start + same, n - 1))
+        else:
+            # Everything past n - 1 is either the pending token or a rejected draft.
+            cache.truncate(min(cache.length, n - 1))
         new = state.token_buffer[cache.length:n].view(1, -1)
         V = run.vocab_size
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
+        dists: list[torch.Tensor] = []  # per depth, the distribution siblings are ranked (and drawn) by
         for i in range(k):
             logits = next_logits(self.model, self.head, new, cache)[:, :V]  # [1, <=V] fp32
             run.draft_forwards += 1
@@ -226,10 +255,21 @@ class ModelDrafter(Stage):
             ids.append(tok)
             if q is not None:
                 probs.append(q)
+            if self.siblings:
+                dists.append(q if q is not None else logits)
             if (self.confidence_threshold is not None and i < k - 1
                     and draft_confidence(logits, tok, q) < self.confidence_threshold):
                 break
             new = tok.view(1, 1)
+        if self.siblings:
+            chain = [int(t) for t in ids]
+            scratch["fed"] = (n, chain[:-1])  # the last proposal was never fed
+            sib_ids, sib_depths = self._siblings(chain, dists, min(self.siblings, k - len(chain)), state)
+            state.draft_parents = tuple(range(len(chain))) + tuple(sib_depths)
+            for t, depth in zip(sib_ids, sib_depths):
+                ids.append(torch.tensor([t], dtype=torch.int64, device=run.device))
+                if probs:
+                    probs.append(probs[depth])
         state.draft_ids = torch.stack(ids, dim=1)  # [1, k]
         if not probs:
             state.draft_probs = None
@@ -238,6 +278,41 @@ class ModelDrafter(Stage):
         if q.shape[-1] < V:
             q = torch.nn.functional.pad(q, (0, V - q.shape[-1]))
         state.draft_probs = q
+
+    def _siblings(self, chain: list[int], dists: list[torch.Tensor], budget: int, state) -> tuple[list[int], list[int]]:
+        """Up to ``budget`` sibling leaves for the chain ``chain``: ``(ids, depths)``, depth-major, in draw order.
+
+        A slot (depth i, rank r) scores P(the draft reaches depth i along the chain) x the r-th largest
+        probability among the other tokens at depth i: the draft's own guess of how often the target
+        takes that leaf. Greedy: the leaf is that r-th token. Sampling: how many leaves a depth gets is
+        decided from q alone, then they are drawn from q without replacement (the chain's token
+        removed first), which is what ``TreeAcceptance``'s recursive rejection sampling needs.
+        """
+        if budget <= 0:
+            return [], []
+        params = state.params
+        slots: list[tuple[float, int, int]] = []  # (score, depth, token for greedy)
+        reach = 1.0
+        for depth, (a, d) in enumerate(zip(chain, dists)):
+            p = torch.softmax(d[0], dim=-1) if params.greedy else d[0]
+            vals, idx = torch.topk(p, min(budget + 1, p.shape[-1]))
+            others = [(v, t) for v, t in zip(vals.tolist(), idx.tolist()) if t != a and v > 0][:budget]
+            slots.extend((reach * v, depth, t) for v, t in others)
+            reach *= float(p[a])
+        chosen = sorted(sorted(slots, key=lambda s: -s[0])[:budget], key=lambda s: s[1])  # depth-major, stable
+        if params.greedy:
+            return [t for _, _, t in chosen], [depth for _, depth, _ in chosen]
+        ids: list[int] = []
+        depths: list[int] = []
+        for depth in sorted({depth for _, depth, _ in chosen}):
+            q = dists[depth][0].clone()
+            q[chain[depth]] = 0.0
+            for _ in range(sum(1 for _, d_, _ in chosen if d_ == depth)):
+                t = int(sample(q.view(1, -1), exponential_noise((1, q.shape[-1]), state.generator, q.device))[0])
+                ids.append(t)
+                depths.append(depth)
+                q[t] = 0.0
+        return ids, depths
 
 
 class NgramDrafter(Stage):

@@ -29,13 +29,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from graphspec.acceptance import GreedyAcceptance, RejectionSampling
-from graphspec.drafters import ModelDrafter, NgramDrafter, check_confidence_threshold
+from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance
+from graphspec.drafters import ModelDrafter, NgramDrafter, check_confidence_threshold, check_siblings
 from graphspec.graph import Graph, Stage
 from graphspec.kernels import use_backend
 from graphspec.state import RunInfo, SamplingParams, State
 from graphspec.stats import GenerationStats
-from graphspec.verify import Verify
+from graphspec.verify import TreeVerify, Verify
 
 __all__ = ["Pipeline", "GenerationResult", "build_graph", "STEP_INPUTS", "STEP_OUTPUTS"]
 
@@ -206,14 +206,20 @@ class Pipeline:
     ``draft_vocab``: prune a model draft's vocabulary to its ``n`` lowest ids (plus special tokens) or to
     given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless. "auto":
     65536 ids for an int8 draft (the CLI's default), the whole vocabulary for any other.
+    ``draft_siblings=n``: a draft tree. Besides its chain, a model draft (same vocabulary) proposes up to
+    n alternative tokens as leaves beside chain tokens, where it is least sure, in the verify rows the
+    chain left unused (a step still verifies at most K + 1 rows); ``TreeVerify`` checks all branches in
+    one forward and ``TreeAcceptance`` keeps the longest accepted path (greedy, or recursive rejection
+    sampling: lossless at every temperature).
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
                  max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
                  sync_timing: bool | None = None,
                  draft_confidence_threshold: float | None = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
-                 draft_quantize: str | None = None, draft_vocab=None):
+                 draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int = 0):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
+        siblings = check_siblings(draft_siblings)
         threshold = check_confidence_threshold(draft_confidence_threshold)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
             raise ValueError(f"vocab_mapping={vocab_mapping!r} is not one of {VOCAB_MAPPING_MODES}")
@@ -229,6 +235,9 @@ class Pipeline:
                              f"got draft={draft!r}")
         if draft_vocab is not None and not model_draft:
             raise ValueError(f"draft_vocab needs a model draft, got draft={draft!r}")
+        if siblings and not model_draft:
+            raise ValueError(f"draft_siblings={siblings} needs a model draft (a path, zoo name or loaded model) that "
+                             f"ranks alternatives, got draft={draft!r}")
         if draft is None:
             drafter = None
         elif isinstance(draft, Stage):
@@ -242,11 +251,24 @@ class Pipeline:
                                  f"load both on one device (device=...)")
             cross = _vocab_stage(self.target, self.draft, vocab_mapping, threshold, draft_vocab)
             if cross is None:
-                drafter = ModelDrafter(self.draft, confidence_threshold=threshold, draft_vocab=draft_vocab)
+                drafter = ModelDrafter(self.draft, confidence_threshold=threshold, draft_vocab=draft_vocab,
+                                       siblings=siblings)
+            elif siblings:
+                raise ValueError(f"draft_siblings={siblings} needs a draft that shares the target's vocabulary; this "
+                                 f"draft's tokenizer differs (its alternatives would be text, not target tokens): "
+                                 f"use draft_siblings=0")
             else:
                 drafter, mapper = cross
                 between.append(mapper)
 
+        verify: Stage = Verify(self.target)
+        if siblings:
+            if acceptance not in (None, "rejection"):
+                raise ValueError(f"draft_siblings={siblings} verifies a draft tree, which needs its own acceptance "
+                                 f"rule (TreeAcceptance, greedy and sampling); leave acceptance=None, got "
+                                 f"{acceptance!r}")
+            acceptance = TreeAcceptance()
+            verify = TreeVerify(self.target)
         if acceptance is None or acceptance == "rejection":
             rule: Stage = RejectionSampling()
         elif acceptance == "greedy":
@@ -255,7 +277,7 @@ class Pipeline:
             rule = acceptance
         else:
             raise ValueError(f"acceptance must be None, 'greedy', 'rejection' or a Stage; got {acceptance!r}")
-        self._graph = build_graph(Verify(self.target), drafter, rule, between)
+        self._graph = build_graph(verify, drafter, rule, between)
         dev = torch.device(self.target.device)
         self.sync_timing = (dev.type == "cuda") if sync_timing is None else bool(sync_timing)
 
@@ -418,7 +440,8 @@ class Pipeline:
                 valid = row.index(-1) if -1 in row else len(row)
                 if valid < 1:
                     raise RuntimeError(f"the accept stage emitted no token (emitted={row}); it must emit at least one")
-                stats.record_step(int(state.draft_ids.shape[1]), valid - 1)
+                stats.record_step(int(state.draft_ids.shape[1]), valid - 1,
+                                  state.draft_parents if "draft_parents" in state else None)
                 new = row[:min(valid, remaining)]
                 if eos:
                     for i, t in enumerate(new):
@@ -437,6 +460,7 @@ class Pipeline:
             stats.target_forwards = run.target_forwards
             stats.draft_forwards = run.draft_forwards
             stats.vocab = run.extra.get("vocab")
+            stats.tree = run.extra.get("tree")
 
     def _generate(self, ids, max_new_tokens, params, ignore_eos, stops) -> Iterator[str]:
         """Yields text pieces as tokens are committed; returns the GenerationResult."""

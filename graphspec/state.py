@@ -19,6 +19,8 @@ params          ``SamplingParams``
 generator       ``torch.Generator`` on the target's device, seeded from ``params.seed``
 draft_ids       ``[1, k]`` int64 proposals, ``0 <= k <= num_draft``
 draft_probs     ``[1, k, V_target]`` fp32 warped draft distributions, or None (one-hot drafts)
+draft_parents   draft trees only (``draft_siblings``): a tuple of k parent rows, 0 the pending token,
+                j + 1 draft j (``TreeVerify``, ``TreeAcceptance``)
 target_logits   ``[1, k + 1, V_target]`` fp32 target logits for [pending, draft_ids]
 emitted         ``[1, k + 1]`` int64: accepted drafts then one recovered/bonus token, -1 after
 ==============  ============================================================================

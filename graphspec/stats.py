@@ -8,7 +8,10 @@
 - ``target_forwards`` / ``draft_forwards`` count ``model.step`` calls, the prompt prefill included
   (one each when the prompt is longer than one token).
 - ``accepted_per_position[i]`` / ``proposed_per_position[i]``: in how many steps draft position i
-  was accepted / proposed (i = 0 is the first draft token).
+  was accepted / proposed (i = 0 is the first draft token; with a draft tree, the depth: a step
+  counts once per depth however many siblings it had there).
+- ``tree`` (draft trees only): ``{"siblings_proposed", "siblings_accepted"}``; ``proposed`` counts
+  every node of the tree, so ``acceptance_rate`` is lower than a chain's for the same path lengths.
 - Times are wall seconds (``time.perf_counter``): ``prefill_seconds`` covers every stage's
   per-generation setup, ``decode_seconds`` the steps, ``stage_seconds`` each stage's share of them.
   ``tokens_per_second`` is generated tokens over prefill + decode seconds;
@@ -39,12 +42,22 @@ class GenerationStats:
     decode_seconds: float = 0.0
     # cross-vocabulary runs only: {"mode", "intersection", "draft_vocab", "target_vocab"}
     vocab: dict | None = None
+    # draft trees only: {"siblings_proposed", "siblings_accepted"}
+    tree: dict | None = None
 
-    def record_step(self, proposed: int, accepted: int) -> None:
+    def record_step(self, proposed: int, accepted: int, parents=None) -> None:
+        """One verify step: ``proposed`` drafts (a chain, or a tree with ``parents``), ``accepted`` kept."""
         self.steps += 1
         self.proposed += proposed
         self.accepted += accepted
-        for i in range(proposed):
+        if parents is None:
+            depths = range(proposed)
+        else:
+            rows = [0]  # depth of each row of [pending, drafts]
+            for p in parents:
+                rows.append(rows[p] + 1)
+            depths = range(max(rows))
+        for i in depths:
             self.proposed_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
@@ -73,6 +86,7 @@ class GenerationStats:
         d["accepted_per_position"] = list(self.accepted_per_position)
         d["proposed_per_position"] = list(self.proposed_per_position)
         d["vocab"] = dict(self.vocab) if self.vocab is not None else None
+        d["tree"] = dict(self.tree) if self.tree is not None else None
         for k in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "decode_tokens_per_second"):
             d[k] = getattr(self, k)
         return d

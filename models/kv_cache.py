@@ -6,6 +6,8 @@
   lock step); it is host state on purpose, so slicing needs no device sync.
 - Rolling back after a rejected draft is ``truncate(n)``: only the length moves; the
   stale entries beyond it are overwritten by the next ``append``.
+- After a tree verify (draft branches side by side in the cache) ``keep(start, slots)`` moves the
+  accepted path's entries down to consecutive slots from ``start`` and cuts the rest.
 - A cache belongs to one run; a model holds weights only and can hand out many caches.
 """
 
@@ -69,6 +71,26 @@ class KVCache:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.length:
             raise ValueError(f"truncate(n={n!r}) needs 0 <= n <= length={self.length}")
         self.length = n
+
+    def keep(self, start: int, slots) -> None:
+        """Keep slots ``0 .. start-1`` and then only ``slots`` (increasing, each >= start), moved down to
+        ``start, start+1, ...``; the length becomes ``start + len(slots)``.
+
+        A tree verify writes every branch of the draft tree; this keeps the branch the acceptance took.
+        """
+        slots = list(slots)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= self.length:
+            raise ValueError(f"keep(start={start!r}) needs 0 <= start <= length={self.length}")
+        if any(not isinstance(s, int) or isinstance(s, bool) for s in slots) or any(
+                b <= a for a, b in zip(slots, slots[1:])) or (slots and not start <= slots[0] <= slots[-1] < self.length):
+            raise ValueError(f"keep(start={start}, slots={slots}): slots must be increasing ints in "
+                             f"[{start}, {self.length})")
+        n = len(slots)
+        if slots != list(range(start, start + n)):  # already in place: nothing to move
+            idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            for buf in (*self.k, *self.v):
+                buf[:, start:start + n] = buf.index_select(1, idx)  # index_select copies: no overlap hazard
+        self.length = start + n
 
     def reset(self) -> None:
         self.length = 0

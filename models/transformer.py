@@ -12,6 +12,9 @@
   file never knows which it got.
 - RoPE: HF rotate-half convention, cos/sin from ``positions * inv_freq`` in fp32, computed once
   per forward (``rope_tables``) and shared by every layer.
+- A draft tree verifies in the same forward: ``step(..., tree=ancestor_mask(parents), positions=...)``
+  makes each new token attend to the cache, its ancestors and itself (the attention op's ``tree``);
+  ``KVCache.keep`` then keeps the accepted branch.
 - Only the rows asked for (``logits_for``) go through the final norm and the lm_head: a
   prefill needs one row, a draft step one row, a verify K+1 rows. Logits come back in fp32.
 - ``quantize="int8"`` (draft models on a CPU): every GEMM weight and the lm_head is rounded to
@@ -168,12 +171,17 @@ class Transformer:
         return self._prepare(full[ids.to(full.device)].to(self.dtype).contiguous())
 
     def step(self, token_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
-             logits_for="all", head=None) -> torch.Tensor:
+             logits_for="all", head=None, tree: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``token_ids [B, T]`` after what ``cache`` holds; append them to it; return logits.
 
         positions: ``[B, T]`` int64 RoPE positions (default: the cache slots they occupy).
         logits_for: "all" (T rows), "last" (1 row) or a LongTensor of row indices into T.
         head: None (the lm_head), or ``head_rows(ids)``: logits for those vocabulary rows only.
+        tree: None (the T tokens are a sequence: causal), or a bool ``[T, T]`` ancestor mask
+        (``graphspec.kernels.attention.ancestor_mask``): token i attends to the cache and to the new
+        tokens j with ``tree[i, j]`` (a draft tree verified in one forward; pass each token's
+        ``positions``, its depth after the cache). The cache then holds every branch: keep the
+        accepted one with ``cache.keep``.
         Returns ``[B, n, V]`` fp32 (``V = len(ids)`` with ``head``) and advances ``cache.length`` by T.
         """
         token_ids = self._check_ids(token_ids)
@@ -201,7 +209,7 @@ class Transformer:
         if head is not None and (getattr(head, "ndim", 0) != 2 or head.shape[1] != c.hidden_size):
             raise ValueError(f"head must come from this model's head_rows(ids) ([n, {c.hidden_size}]), got "
                              f"{type(head).__name__} {tuple(getattr(head, 'shape', ()))}")
-        logits = self._forward(token_ids, positions, cache, logits_for, head)
+        logits = self._forward(token_ids, positions, cache, logits_for, head, tree)
         cache.advance(t)
         return logits
 
@@ -229,10 +237,10 @@ class Transformer:
             return logits_for.to(self.device, torch.long)
         raise ValueError(f"logits_for={logits_for!r}; expected 'all', 'last' or a 1-d LongTensor of row indices")
 
-    def _forward(self, ids, positions, cache, logits_for, head=None) -> torch.Tensor:
+    def _forward(self, ids, positions, cache, logits_for, head=None, tree=None) -> torch.Tensor:
         c = self.config
         rows = self._rows(logits_for, ids.shape[1])
-        if self.quantize and self.lean_int8_forward and cache is not None:
+        if self.quantize and self.lean_int8_forward and cache is not None and tree is None:
             with torch.no_grad():
                 return self._forward_int8(ids, positions, cache, rows, head)
         with use_backend(self.backend), torch.no_grad():
@@ -242,7 +250,7 @@ class Transformer:
             normed = rmsnorm(x, self.layers[0].input_norm, c.rms_norm_eps)
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                a = self._attention(i, layer, normed, positions, tables, cache)
+                a = self._attention(i, layer, normed, positions, tables, cache, tree)
                 normed, h = rmsnorm(a, layer.post_norm, c.rms_norm_eps, residual=h)  # h = h + attn(norm(h))
                 m = self._mlp(layer, normed)
                 if i < last:
@@ -253,7 +261,7 @@ class Transformer:
             out, _ = rmsnorm(m, self.norm, c.rms_norm_eps, residual=h)
             return linear(out, self.lm_head if head is None else head).float()  # [B, n, V]
 
-    def _attention(self, i: int, layer: Layer, x, positions, tables, cache) -> torch.Tensor:
+    def _attention(self, i: int, layer: Layer, x, positions, tables, cache, tree=None) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -263,7 +271,7 @@ class Transformer:
         q, k = rope(q, k, positions, self.inv_freq, self.rope_attention_scaling, tables)
         if cache is not None:
             k, v = cache.append(i, k, v)  # [B, length + T, Hk, D] views of the cache
-        o = attention(q, k, v, self.scale)  # [B, T, Hq, D]
+        o = attention(q, k, v, self.scale, tree=tree)  # [B, T, Hq, D]
         return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
 
     # int8 models run cached forwards through _forward_int8 (False: the general forward, for comparisons).

@@ -9,9 +9,11 @@ milliseconds per forward, and whether the tokens equal the autoregressive ones.
 
     .venv/bin/python perf/draft_sweep.py [--tokens 48] [--prompts 3] [--dtype bf16] [--threads 1]
         [--draft-k 5] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384] [--thresholds 0.4]
+        [--siblings 0 2]
 
 ``--draft-k`` / ``--cross-k`` take several values to sweep the speculation length of each draft,
-``--thresholds`` several draft confidence thresholds (``none``: always draft K).
+``--thresholds`` several draft confidence thresholds (``none``: always draft K), ``--siblings``
+several ``draft_siblings`` values (draft trees; same-vocabulary drafts only, so the 0.5B).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cross-k", type=int, nargs="+", default=[4], help=f"K values for {CROSS_DRAFT}")
     ap.add_argument("--thresholds", type=_threshold, nargs="+", default=[DEFAULT_DRAFT_CONFIDENCE_THRESHOLD],
                     help="draft confidence thresholds to try ('none' drafts K every step); default: the library's")
+    ap.add_argument("--siblings", type=int, nargs="+", default=[0],
+                    help=f"draft_siblings values to try for {DRAFT} (0: a chain); SmolLM2 always runs a chain")
+    ap.add_argument("--cross", action=argparse.BooleanOptionalAction, default=True,
+                    help=f"also run {CROSS_DRAFT} (default on)")
     ap.add_argument("--kinds", nargs="+", default=["plain", "int8", "vocab"], choices=["plain", "int8", "vocab"],
                     help="plain: the draft as loaded; int8: quantize='int8'; vocab: int8 plus each --vocab")
     args = ap.parse_args(argv)
@@ -54,14 +60,17 @@ def main(argv=None) -> int:
     prompts = [p.get("messages") or p["prompt"] for p in load_prompts(limit=args.prompts)]
     target = graphspec.load_model(TARGET, dtype=dtype)
     methods = {"autoregressive": graphspec.Pipeline(target)}
-    for name, ks in ((DRAFT, args.draft_k), (CROSS_DRAFT, args.cross_k)):
+    for name, ks in ((DRAFT, args.draft_k), (CROSS_DRAFT, args.cross_k) if args.cross else (None, ())):
+        if name is None:
+            continue
         short = name.split("-instruct")[0]
         plain = graphspec.load_model(name, dtype=dtype) if "plain" in args.kinds else None
         int8 = graphspec.load_model(name, dtype=dtype, quantize="int8") if {"int8", "vocab"} & set(args.kinds) else None
         for k in ks:
-            for th in args.thresholds:
-                tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "")
-                kw = {"draft_confidence_threshold": th}
+            for th, sib in ((th, sib) for th in args.thresholds for sib in (args.siblings if name == DRAFT else [0])):
+                tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "") + (
+                    f" sib={sib}" if sib else "")
+                kw = {"draft_confidence_threshold": th, "draft_siblings": sib}
                 if plain is not None:
                     methods[f"{tag} {args.dtype}"] = graphspec.Pipeline(target, plain, k, **kw)
                 if "int8" in args.kinds:

@@ -70,7 +70,8 @@ def test_run_with_a_cheap_draft_gives_the_target_text(tiny):
 
     expected = graphspec.Pipeline(graphspec.load_model(tiny, dtype="float32")).run(
         "def fibonacci(n):", max_new_tokens=12, ignore_eos=True)
-    for extra in ((), ("--draft-vocab", "200"), ("--draft-quantize", "none", "--draft-vocab", "50")):
+    for extra in ((), ("--draft-vocab", "200"), ("--draft-quantize", "none", "--draft-vocab", "50"),
+                  ("--draft-siblings", "2", "--draft-confidence", "0.9")):
         p = _cli("run", "--target", str(tiny), "--draft", str(tiny), "--dtype", "fp32", "--max-new-tokens", "12",
                  "--ignore-eos", *extra, "def fibonacci(n):")
         assert p.returncode == 0, p.stderr
@@ -93,12 +94,15 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     from graphspec.cli import _draft_kw
 
     def kw(draft_arg, vocab):
-        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab)).get("draft_vocab")
+        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab, draft_siblings=0)).get("draft_vocab")
 
     assert kw("m", "auto") == "auto"  # the library resolves it: pruned for an int8 draft only
     assert kw("ngram", "auto") is None and kw(None, "auto") is None
     assert kw("m", "none") is None
     assert kw("m", 300) == 300
+    siblings = _draft_kw(SimpleNamespace(draft="m", draft_vocab="auto", draft_siblings=3))
+    assert siblings == {"draft_vocab": "auto", "draft_siblings": 3}
+    assert "draft_siblings" not in _draft_kw(SimpleNamespace(draft="m", draft_vocab="auto", draft_siblings=0))
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -116,6 +120,8 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("run", "--target", "TINY", "--draft-vocab", "0", "hi"), ["--draft-vocab"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-vocab", "most", "hi"), ["--draft-vocab", "most"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-quantize", "int4", "hi"), ["--draft-quantize"]),
+    (("run", "--target", "TINY", "--draft", "ngram", "--draft-siblings", "2", "hi"), ["--draft-siblings"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "-1", "hi"), ["--draft-siblings"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
 ])

@@ -32,6 +32,11 @@ class ToyCache:
     def reset(self) -> None:
         self.length = 0
 
+    def keep(self, start: int, slots) -> None:
+        slots = list(slots)
+        self.tokens[:, start:start + len(slots)] = self.tokens[:, slots].clone()
+        self.length = start + len(slots)
+
 
 class ToyLM:
     def __init__(self, vocab_size: int = 16, seed: int = 0, scale: float = 2.0, table: torch.Tensor | None = None,
@@ -63,7 +68,8 @@ class ToyLM:
         prev = torch.cat([torch.full_like(seq[:, :1], self.START), seq[:, :-1]], dim=1)[:, start:]
         return self.table[prev, seq[:, start:]]  # [B, T, V]
 
-    def step(self, token_ids: torch.Tensor, cache: ToyCache, positions=None, logits_for="all") -> torch.Tensor:
+    def step(self, token_ids: torch.Tensor, cache: ToyCache, positions=None, logits_for="all",
+             tree=None) -> torch.Tensor:
         B, T = token_ids.shape
         self.calls.append(token_ids[0].tolist())
         L = cache.length
@@ -73,7 +79,15 @@ class ToyLM:
             raise ValueError("toy cache overflow")
         cache.tokens[:, L:L + T] = token_ids
         cache.length = L + T
-        logits = self._logits(cache.tokens[:, :L + T], L)
+        if tree is not None:  # a draft tree: each row's previous token is its parent's (the nearest ancestor)
+            last = cache.tokens[:, L - 1] if L else torch.full_like(token_ids[:, 0], self.START)
+            prev = []
+            for i in range(T):
+                anc = [j for j in range(i) if bool(tree[i, j])]
+                prev.append(token_ids[:, anc[-1]] if anc else last)
+            logits = self.table[torch.stack(prev, dim=1), token_ids]
+        else:
+            logits = self._logits(cache.tokens[:, :L + T], L)
         if isinstance(logits_for, str):
             return logits if logits_for == "all" else logits[:, -1:]
         return logits[:, logits_for]

@@ -159,6 +159,23 @@ def test_cache_errors(small):
         small(torch.tensor([1.0, 2.0]))
 
 
+def test_cache_keep_moves_a_branch_down(small):
+    cache = small.new_cache(12)
+    small.step(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache)
+    before = [(k.clone(), v.clone()) for k, v in zip(cache.k, cache.v)]
+    cache.keep(3, [3, 5, 6])  # keep slot 3, move 5 and 6 down to 4 and 5
+    assert cache.length == 6
+    for (k0, v0), k, v in zip(before, cache.k, cache.v):
+        assert torch.equal(k[:, :4], k0[:, :4]) and torch.equal(v[:, :4], v0[:, :4])
+        assert torch.equal(k[:, 4:6], k0[:, 5:7]) and torch.equal(v[:, 4:6], v0[:, 5:7])
+    cache.keep(2, [2, 3])  # already in place: only the length moves
+    assert cache.length == 4
+    for args in ((5, [5]), (1, [0]), (1, [3, 2]), (1, [2, 2]), (1, [9]), (1, [True])):
+        with pytest.raises(ValueError, match="keep"):
+            cache.keep(*args)
+    assert cache.length == 4
+
+
 def test_bf16_close_to_transformers_bf16(tmp_path):
     d = make_checkpoint(tmp_path, "qwen2", tokenizer=None, vocab_size=128)
     ours = load_model(d, dtype=torch.bfloat16)
