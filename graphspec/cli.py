@@ -56,6 +56,10 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _draft_siblings(text: str) -> int | str:
+    return text if text == "auto" else _nonneg_int(text)
+
+
 def _nonneg_int(text: str) -> int:
     try:
         v = int(text)
@@ -108,9 +112,10 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                    help="prune the draft's vocabulary to its N lowest ids plus special tokens (a cheaper draft "
                         "lm_head; output unchanged); 'none' keeps it whole; auto (the default) = 65536 for an "
                         "int8 draft, else none")
-    p.add_argument("--draft-siblings", type=_nonneg_int, default=0, metavar="N",
+    p.add_argument("--draft-siblings", type=_draft_siblings, default="auto", metavar="N",
                    help="a draft tree: up to N alternative tokens beside the draft's chain, in the verify rows the "
-                        "chain left unused (same-vocabulary model drafts; output unchanged; default 0: a chain)")
+                        "chain left unused (same-vocabulary model drafts; output unchanged); 0: a chain; "
+                        "auto (the default) = 4 for a model draft sharing the target's tokenizer, else 0")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
                    help="a model draft stops proposing once it gives its own token less than P "
                         "(default 0.4; 'none' always drafts K)")
@@ -266,7 +271,10 @@ def _draft_kw(args) -> dict:
         kw["draft_vocab"] = args.draft_vocab
     elif args.draft_vocab == "auto" and model_draft:
         kw["draft_vocab"] = "auto"  # graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft, else all
-    if args.draft_siblings:
+    if args.draft_siblings == "auto":
+        if model_draft:
+            kw["draft_siblings"] = "auto"  # graphspec.drafters.AUTO_DRAFT_SIBLINGS for a same-vocabulary draft
+    elif args.draft_siblings:
         if not model_draft:
             raise CLIError("--draft-siblings branches a model draft's proposals; give --draft a model")
         kw["draft_siblings"] = args.draft_siblings
@@ -356,8 +364,12 @@ def _cmd_bench(args) -> int:
     prompts = _read_prompts(args.prompts)
     k = max(args.k, args.max_k)
     base = graphspec.Pipeline(target)
-    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping,
-                              **_draft_kw(args))
+    if args.draft_siblings not in ("auto", 0):
+        raise CLIError("bench measures a chain's acceptance at each draft position to recommend K; a draft tree "
+                       "(--draft-siblings) would blur it: leave --draft-siblings out")
+    kw = _draft_kw(args)
+    kw.pop("draft_siblings", None)  # a chain, whatever run's default
+    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping, **kw)
     has_template = getattr(target.tokenizer, "has_chat_template", False)
 
     def as_prompt(item):

@@ -30,7 +30,8 @@ from typing import Iterator, Sequence
 import torch
 
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance
-from graphspec.drafters import ModelDrafter, NgramDrafter, check_confidence_threshold, check_siblings
+from graphspec.drafters import (AUTO_DRAFT_SIBLINGS, ModelDrafter, NgramDrafter, check_confidence_threshold,
+                                check_siblings)
 from graphspec.graph import Graph, Stage
 from graphspec.kernels import use_backend
 from graphspec.state import RunInfo, SamplingParams, State
@@ -210,16 +211,17 @@ class Pipeline:
     n alternative tokens as leaves beside chain tokens, where it is least sure, in the verify rows the
     chain left unused (a step still verifies at most K + 1 rows); ``TreeVerify`` checks all branches in
     one forward and ``TreeAcceptance`` keeps the longest accepted path (greedy, or recursive rejection
-    sampling: lossless at every temperature).
+    sampling: lossless at every temperature). "auto": ``AUTO_DRAFT_SIBLINGS`` for a model draft that shares
+    the target's vocabulary (the CLI's default), a chain for any other draft.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
                  max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
                  sync_timing: bool | None = None,
                  draft_confidence_threshold: float | None = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
-                 draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int = 0):
+                 draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int | str = 0):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
-        siblings = check_siblings(draft_siblings)
+        siblings = check_siblings(draft_siblings, allow_auto=True)
         threshold = check_confidence_threshold(draft_confidence_threshold)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
             raise ValueError(f"vocab_mapping={vocab_mapping!r} is not one of {VOCAB_MAPPING_MODES}")
@@ -235,6 +237,11 @@ class Pipeline:
                              f"got draft={draft!r}")
         if draft_vocab is not None and not model_draft:
             raise ValueError(f"draft_vocab needs a model draft, got draft={draft!r}")
+        if siblings == "auto":
+            siblings = AUTO_DRAFT_SIBLINGS if model_draft else 0  # and 0 across vocabularies, below
+            auto_siblings = True
+        else:
+            auto_siblings = False
         if siblings and not model_draft:
             raise ValueError(f"draft_siblings={siblings} needs a model draft (a path, zoo name or loaded model) that "
                              f"ranks alternatives, got draft={draft!r}")
@@ -250,6 +257,8 @@ class Pipeline:
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")
             cross = _vocab_stage(self.target, self.draft, vocab_mapping, threshold, draft_vocab)
+            if cross is not None and auto_siblings:
+                siblings = 0
             if cross is None:
                 drafter = ModelDrafter(self.draft, confidence_threshold=threshold, draft_vocab=draft_vocab,
                                        siblings=siblings)

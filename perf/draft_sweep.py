@@ -47,6 +47,8 @@ def main(argv=None) -> int:
                     help="draft confidence thresholds to try ('none' drafts K every step); default: the library's")
     ap.add_argument("--siblings", type=int, nargs="+", default=[0],
                     help=f"draft_siblings values to try for {DRAFT} (0: a chain); SmolLM2 always runs a chain")
+    ap.add_argument("--sibling-min-score", type=float, nargs="+", default=[None],
+                    help="ModelDrafter.sibling_min_score values to try with siblings (default: the library's)")
     ap.add_argument("--cross", action=argparse.BooleanOptionalAction, default=True,
                     help=f"also run {CROSS_DRAFT} (default on)")
     ap.add_argument("--kinds", nargs="+", default=["plain", "int8", "vocab"], choices=["plain", "int8", "vocab"],
@@ -67,9 +69,11 @@ def main(argv=None) -> int:
         plain = graphspec.load_model(name, dtype=dtype) if "plain" in args.kinds else None
         int8 = graphspec.load_model(name, dtype=dtype, quantize="int8") if {"int8", "vocab"} & set(args.kinds) else None
         for k in ks:
-            for th, sib in ((th, sib) for th in args.thresholds for sib in (args.siblings if name == DRAFT else [0])):
+            sibs = [(s, m) for s in (args.siblings if name == DRAFT else [0])
+                    for m in (args.sibling_min_score if s else [None])]
+            for th, (sib, min_score) in ((th, sm) for th in args.thresholds for sm in sibs):
                 tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "") + (
-                    f" sib={sib}" if sib else "")
+                    f" sib={sib}" if sib else "") + (f" min={min_score}" if min_score is not None else "")
                 kw = {"draft_confidence_threshold": th, "draft_siblings": sib}
                 if plain is not None:
                     methods[f"{tag} {args.dtype}"] = graphspec.Pipeline(target, plain, k, **kw)
@@ -78,11 +82,16 @@ def main(argv=None) -> int:
                 for n in args.vocab if "vocab" in args.kinds else ():
                     if n < int8.config.vocab_size:
                         methods[f"{tag} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, draft_vocab=n, **kw)
+                if min_score is not None:
+                    for pname, pipe in methods.items():
+                        if pname.startswith(tag + " ") or pname == tag:
+                            pipe.graph["draft"].sibling_min_score = min_score
     print(f"# {machine_info()}", flush=True)
     for pipe in methods.values():  # warm-up
         pipe.run(prompts[0], max_new_tokens=3)
     totals = {name: {"tokens": 0, "seconds": 0.0, "steps": 0, "proposed": 0, "accepted": 0, "draft_s": 0.0,
-                     "draft_forwards": 0, "same": 0} for name in methods}
+                     "draft_forwards": 0, "same": 0, "sib_proposed": 0, "sib_accepted": 0, "verify_s": 0.0}
+              for name in methods}
     for i, prompt in enumerate(prompts):
         ref = None
         for name, pipe in methods.items():
@@ -96,6 +105,10 @@ def main(argv=None) -> int:
             t["accepted"] += s.accepted
             t["draft_s"] += s.stage_seconds.get("draft", 0.0)
             t["draft_forwards"] += s.draft_forwards
+            t["verify_s"] += s.stage_seconds.get("verify", 0.0)
+            if s.tree:
+                t["sib_proposed"] += s.tree["siblings_proposed"]
+                t["sib_accepted"] += s.tree["siblings_accepted"]
             ref = out.token_ids if ref is None else ref
             t["same"] += out.token_ids == ref
         print(f"  prompt {i + 1}/{len(prompts)} done", flush=True)
@@ -105,7 +118,9 @@ def main(argv=None) -> int:
         draft_ms = 1e3 * t["draft_s"] / t["draft_forwards"] if t["draft_forwards"] else 0.0
         acc = t["accepted"] / t["proposed"] if t["proposed"] else 0.0
         print(f"{name:52s} {rate:6.2f} tok/s  x{rate / base:.2f}  tokens/forward {t['tokens'] / t['steps']:.2f}  "
-              f"acceptance {acc:.2f}  draft {draft_ms:5.1f} ms/forward  same as AR {t['same']}/{len(prompts)}")
+              f"acceptance {acc:.2f}  draft {draft_ms:5.1f} ms/forward  verify {1e3 * t['verify_s'] / t['steps']:5.1f} ms  "
+              f"same as AR {t['same']}/{len(prompts)}"
+              + (f"  siblings {t['sib_accepted']}/{t['sib_proposed']} taken" if t["sib_proposed"] else ""))
     return 0
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, machine_info, read_bandwidth,  # noqa: E402
                           output_path, save_json, step_weight_bytes)
 
-from graphspec.drafters import AUTO_DRAFT_VOCAB  # noqa: E402
+from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 METHODS = ("ar", "spec_0.5b", "spec_smollm2", "ngram")
@@ -105,7 +105,7 @@ def hf_runner(method: str, dtype, pool: dict):
 
 
 def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft_quantize: str | None = None,
-                     draft_vocab: int | str | None = None):
+                     draft_vocab: int | str | None = None, draft_siblings: int | str = 0):
     import graphspec
     from graphspec.models import load_model
 
@@ -119,7 +119,7 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
         pipe = graphspec.Pipeline(target)
     elif method == "spec_0.5b":
         pipe = graphspec.Pipeline(target, draft=model(DRAFT, draft_quantize), num_speculative_tokens=k,
-                                  draft_vocab=draft_vocab)
+                                  draft_vocab=draft_vocab, draft_siblings=draft_siblings)
     elif method == "spec_smollm2":
         pipe = graphspec.Pipeline(target, draft=model(CROSS_DRAFT, draft_quantize), num_speculative_tokens=k,
                                   draft_vocab=draft_vocab)
@@ -137,7 +137,8 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
                 "steps": st.steps, "proposed": st.proposed, "accepted": st.accepted,
                 "accepted_per_position": list(st.accepted_per_position),
                 "proposed_per_position": list(st.proposed_per_position), "decode_seconds": st.decode_seconds,
-                "prefill_seconds": st.prefill_seconds, "stage_seconds": dict(st.stage_seconds)}
+                "prefill_seconds": st.prefill_seconds, "stage_seconds": dict(st.stage_seconds),
+                "tree": dict(st.tree) if st.tree else None}
 
     return gen
 
@@ -182,7 +183,8 @@ def _available_bytes() -> int:
 
 
 def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, log,
-              draft_quantize: str | None = None, draft_vocab: int | str | None = None) -> tuple[dict, dict, dict]:
+              draft_quantize: str | None = None, draft_vocab: int | str | None = None,
+              draft_siblings: int | str = 0) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
     drafts = {DRAFT: ("spec_0.5b", "hf_assist_0.5b"), CROSS_DRAFT: ("spec_smollm2", "hf_assist_smollm2")}
     one_family = _model_bytes(TARGET, dtype) + sum(
@@ -191,9 +193,10 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
     log(f"  models of one family: {one_family / 1e9:.1f} GB; graphspec and transformers "
         f"{'interleaved in one pass' if together else 'in two passes (not enough memory for both)'}")
     pool: dict = {}
-    ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m), draft_quantize, draft_vocab) for m in methods}
+    ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m), draft_quantize, draft_vocab, draft_siblings)
+                 for m in methods}
     info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET, None)]), "interleaved_with_transformers": together,
-            "draft_quantize": draft_quantize, "draft_vocab": draft_vocab}
+            "draft_quantize": draft_quantize, "draft_vocab": draft_vocab, "draft_siblings": draft_siblings}
     hf_gens = {}
     if together:
         hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}
@@ -326,6 +329,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); 0 keeps them whole; "
                          f"default: Pipeline(draft_vocab='auto') as the CLI ({AUTO_DRAFT_VOCAB} ids for int8 drafts)")
+    ap.add_argument("--draft-siblings", type=int, default=None, metavar="N",
+                    help="a draft tree for the 0.5B (Pipeline(draft_siblings=N)); 0: a chain; default: "
+                         f"Pipeline(draft_siblings='auto') as the CLI ({AUTO_DRAFT_SIBLINGS}); SmolLM2 (other "
+                         "tokenizer) always runs a chain")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
@@ -365,7 +372,8 @@ def main(argv=None) -> int:
         ks = {"spec_0.5b": args.k_model, "spec_smollm2": args.k_cross, "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
-                                   "auto" if args.draft_vocab is None else args.draft_vocab or None)
+                                   "auto" if args.draft_vocab is None else args.draft_vocab or None,
+                                   "auto" if args.draft_siblings is None else args.draft_siblings)
         summary = compare({**ours, **hf}, info["weight_bytes"], bw)
         report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
         for method, row in summary.items():

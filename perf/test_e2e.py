@@ -19,6 +19,7 @@ CASES = [(d, m) for d in ("bf16", "fp32") for m in (*e2e.METHODS, *e2e.HF_METHOD
 K = {"spec_0.5b": 5, "spec_smollm2": 4, "ngram": 4}  # as perf/e2e.py
 DRAFT_QUANTIZE = "int8"  # as perf/e2e.py and the CLI on a CPU
 DRAFT_VOCAB = "auto"  # likewise: graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft
+DRAFT_SIBLINGS = "auto"  # likewise: graphspec.drafters.AUTO_DRAFT_SIBLINGS for the 0.5B, a chain for SmolLM2
 
 
 class _Pool:
@@ -61,7 +62,7 @@ def test_generate(benchmark, request, pool, workload, dtype_name, method):
         gen = e2e.hf_runner(method, dtype, pool.get("hf", dtype_name))
     else:
         gen = e2e.graphspec_runner(method, dtype, pool.get("graphspec", dtype_name), K.get(method), DRAFT_QUANTIZE,
-                                     DRAFT_VOCAB)
+                                     DRAFT_VOCAB, DRAFT_SIBLINGS)
     gen(prompt_ids[0][:16], 4)  # warm-up
     runs = []
     benchmark.group = f"e2e {dtype_name}"

@@ -94,7 +94,7 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     from graphspec.cli import _draft_kw
 
     def kw(draft_arg, vocab):
-        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab, draft_siblings=0)).get("draft_vocab")
+        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab, draft_siblings="auto")).get("draft_vocab")
 
     assert kw("m", "auto") == "auto"  # the library resolves it: pruned for an int8 draft only
     assert kw("ngram", "auto") is None and kw(None, "auto") is None
@@ -103,6 +103,8 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     siblings = _draft_kw(SimpleNamespace(draft="m", draft_vocab="auto", draft_siblings=3))
     assert siblings == {"draft_vocab": "auto", "draft_siblings": 3}
     assert "draft_siblings" not in _draft_kw(SimpleNamespace(draft="m", draft_vocab="auto", draft_siblings=0))
+    assert _draft_kw(SimpleNamespace(draft="m", draft_vocab="none", draft_siblings="auto")) == {"draft_siblings": "auto"}
+    assert _draft_kw(SimpleNamespace(draft="ngram", draft_vocab="auto", draft_siblings="auto")) == {}
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -122,6 +124,7 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-quantize", "int4", "hi"), ["--draft-quantize"]),
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-siblings", "2", "hi"), ["--draft-siblings"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "-1", "hi"), ["--draft-siblings"]),
+    (("bench", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "2"), ["--draft-siblings"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
 ])

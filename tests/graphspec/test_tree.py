@@ -162,6 +162,19 @@ def test_bad_sibling_arguments_are_refused(kw, match):
         graphspec.Pipeline(_target(), **kw)
 
 
+def test_auto_siblings_branch_same_vocabulary_model_drafts_only():
+    from graphspec.drafters import AUTO_DRAFT_SIBLINGS
+
+    auto = graphspec.Pipeline(_target(), draft=_draft(), draft_siblings="auto")
+    assert auto.graph["draft"].siblings == AUTO_DRAFT_SIBLINGS
+    assert "draft_parents" in auto.graph["accept"].reads
+    for draft in ("ngram", None):  # nothing to branch: a chain, no error
+        pipe = graphspec.Pipeline(_target(), draft=draft, draft_siblings="auto")
+        assert "draft_parents" not in pipe.graph["accept"].reads
+    with pytest.raises(ValueError, match="draft_siblings must be an int >= 0"):
+        graphspec.Pipeline(_target(), draft=_draft(), draft_siblings="many")
+
+
 def test_the_tree_graph_reads_the_tree():
     pipe = _tree_pipe()
     assert pipe.graph.names == ["draft", "verify", "accept"]

@@ -291,6 +291,13 @@ def test_modes_and_errors(models_, checkpoints, tmp_path):
     # same tokenizer: no map stage
     same = graphspec.Pipeline(target, draft=target, vocab_mapping="tli")
     assert "map" not in same.graph
+    # draft trees need a shared vocabulary: "auto" falls back to a chain here, an explicit count is refused
+    chain = graphspec.Pipeline(target, draft=draft, draft_siblings="auto")
+    assert "draft_parents" not in chain.graph["verify"].reads
+    with pytest.raises(ValueError, match="draft_siblings=2 needs a draft that shares the target's vocabulary"):
+        graphspec.Pipeline(target, draft=draft, draft_siblings=2)
+    tree = graphspec.Pipeline(target, draft=target, draft_siblings="auto")
+    assert "draft_parents" in tree.graph["verify"].reads
 
 
 def test_second_pipeline_loads_the_tables_from_the_cache(models_):
