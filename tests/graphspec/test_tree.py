@@ -247,3 +247,27 @@ def test_greedy_tree_on_transformers_equals_autoregressive(tiny_dirs, dtype):
         assert got.token_ids == want, n
         taken += got.stats.tree["siblings_accepted"]
     assert taken > 0
+
+
+def test_greedy_tree_through_the_triton_kernels(tmp_path, monkeypatch):
+    """The same tree pipeline with both models pinned to Triton (the interpreter here, CUDA on a GPU):
+    the tree reaches the Triton attention kernel, and the output is still the target's."""
+    import sys
+
+    attn = sys.modules["graphspec.kernels.attention"]
+    trees = []
+    real = attn._attention_triton
+    monkeypatch.setattr(attn, "_attention_triton",
+                        lambda *a, **k: trees.append(k.get("tree") is not None) or real(*a, **k))
+    d = make_checkpoint(tmp_path / "t", "llama", tokenizer=None, vocab_size=64, hidden_size=32, layers=1, heads=4,
+                        kv_heads=2, seed=6)
+    dr = make_checkpoint(tmp_path / "d", "llama", tokenizer=None, vocab_size=64, hidden_size=16, layers=1, heads=2,
+                         kv_heads=1, seed=7)
+    target = graphspec.load_model(d, backend="triton")
+    draft = graphspec.load_model(dr, backend="triton")
+    prompt = [3, 17, 42, 5, 9]
+    want = graphspec.Pipeline(graphspec.load_model(d)).run(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+    got = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, draft_confidence_threshold=0.9,
+                             draft_siblings=2).run(prompt, max_new_tokens=16, ignore_eos=True)
+    assert got.token_ids == want
+    assert any(trees) and got.stats.tree["siblings_proposed"] > 0
