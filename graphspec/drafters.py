@@ -52,7 +52,9 @@ def prefill(model, cache, tokens: list[int], device) -> None:
 
 # draft_siblings="auto": a same-vocabulary model draft proposes up to this many siblings, any other a chain.
 # Qwen2.5-Coder-0.5B int8 drafting for the 1.5B (bf16, 1 thread, K=5, 4 prompts x 128 tokens): 3.16 -> 3.41
-# tokens per target forward, 1.88x -> 2.03x autoregressive in one interleaved sweep (perf/RESULTS.md).
+# tokens per target forward; 1.86-1.92x -> 1.92-2.03x autoregressive in four interleaved sweeps, 1.96x end
+# to end against 1.92-1.99x for chains: the fuller verify costs about what the extra tokens give on that
+# CPU (perf/RESULTS.md). Never slower there, and rows are cheaper on a GPU.
 AUTO_DRAFT_SIBLINGS = 4
 
 
@@ -298,8 +300,10 @@ class ModelDrafter(Stage):
         A slot (depth i, rank r) scores P(the draft reaches depth i along the chain) x the r-th largest
         probability among the other tokens at depth i: the draft's own guess of how often the target
         takes that leaf. Greedy: the leaf is that r-th token. Sampling: how many leaves a depth gets is
-        decided from q alone, then they are drawn from q without replacement (the chain's token
-        removed first), which is what ``TreeAcceptance``'s recursive rejection sampling needs.
+        decided before any is drawn, then they are drawn from q without replacement (the chain's token
+        removed first), which is what ``TreeAcceptance``'s recursive rejection sampling needs. The chain
+        is never cut to make room: whether a sampled token is offered must not depend on its own value
+        (a version that did was biased, and tests/graphspec/test_tree.py's chi-square test caught it).
         """
         if budget <= 0:
             return [], []

@@ -80,7 +80,6 @@ class TreeVerify(Verify):
                                        f"emitted a token the draft tree does not hold")
                 cur = nxt[0]
                 path.append(cur)
-            cache.truncate(min(cache.length, base + len(parents) + 1))
             cache.keep(base, [base + r for r in path])
         cache.truncate(n - 1)
         draft = state.draft_ids
