@@ -46,28 +46,22 @@ def _draft_vocab(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'none', got {text!r}") from None
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(text: str, minimum: int, what: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {v}")
     return v
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def _draft_siblings(text: str) -> int | str:
-    return text if text == "auto" else _nonneg_int(text)
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+    return text if text == "auto" else _int_at_least(text, 0, "an integer >= 0 or 'auto'")
 
 
 def _nonneg_float(text: str) -> float:
