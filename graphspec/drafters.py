@@ -52,9 +52,9 @@ def prefill(model, cache, tokens: list[int], device) -> None:
 
 # draft_siblings="auto": a same-vocabulary model draft proposes up to this many siblings, any other a chain.
 # Qwen2.5-Coder-0.5B int8 drafting for the 1.5B (bf16, 1 thread, K=5, 4 prompts x 128 tokens): 3.16 -> 3.41
-# tokens per target forward; 1.86-1.92x -> 1.92-2.03x autoregressive in four interleaved sweeps, 1.96x end
-# to end against 1.92-1.99x for chains: the fuller verify costs about what the extra tokens give on that
-# CPU (perf/RESULTS.md). Never slower there, and rows are cheaper on a GPU.
+# tokens per target forward; faster than the chain in each of four interleaved sweeps (+1% to +8%, mean
+# +4.5%), though separate end-to-end runs (1.96x vs 1.92-1.99x for chains) cannot tell them apart: on that
+# CPU the fuller verify gives back part of the gain (perf/RESULTS.md). Rows are cheaper on a GPU.
 AUTO_DRAFT_SIBLINGS = 4
 
 
