@@ -39,10 +39,13 @@ from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, ma
 from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-METHODS = ("ar", "spec_0.5b", "spec_smollm2", "ngram")
+# spec_0.5b drafts a tree (draft_siblings "auto", as the CLI); spec_0.5b_chain is the same pair as a plain
+# chain, so one run compares the two.
+METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "ngram")
 HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
 # Which transformers run each graphspec method is compared with.
-HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_smollm2": "hf_assist_smollm2", "ngram": "hf_ar"}
+HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_0.5b_chain": "hf_assist_0.5b",
+           "spec_smollm2": "hf_assist_smollm2", "ngram": "hf_ar"}
 
 
 def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
@@ -117,9 +120,9 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
     target = model(TARGET)
     if method == "ar":
         pipe = graphspec.Pipeline(target)
-    elif method == "spec_0.5b":
+    elif method in ("spec_0.5b", "spec_0.5b_chain"):
         pipe = graphspec.Pipeline(target, draft=model(DRAFT, draft_quantize), num_speculative_tokens=k,
-                                  draft_vocab=draft_vocab, draft_siblings=draft_siblings)
+                                  draft_vocab=draft_vocab, draft_siblings=draft_siblings if method == "spec_0.5b" else 0)
     elif method == "spec_smollm2":
         pipe = graphspec.Pipeline(target, draft=model(CROSS_DRAFT, draft_quantize), num_speculative_tokens=k,
                                   draft_vocab=draft_vocab)
@@ -186,7 +189,7 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
               draft_quantize: str | None = None, draft_vocab: int | str | None = None,
               draft_siblings: int | str = 0) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
-    drafts = {DRAFT: ("spec_0.5b", "hf_assist_0.5b"), CROSS_DRAFT: ("spec_smollm2", "hf_assist_smollm2")}
+    drafts = {DRAFT: ("spec_0.5b", "spec_0.5b_chain", "hf_assist_0.5b"), CROSS_DRAFT: ("spec_smollm2", "hf_assist_smollm2")}
     one_family = _model_bytes(TARGET, dtype) + sum(
         _model_bytes(n, dtype) for n, ms in drafts.items() if any(m in methods or m in hf_methods for m in ms))
     together = bool(hf_methods) and 2 * one_family < 0.75 * _available_bytes()
@@ -298,7 +301,7 @@ def write_acceptance(report: dict) -> Path:
                     f"{TARGET}); tokens_per_target_forward = generated tokens / target verify forwards.")
     pairs = data.setdefault("pairs", {})
     for dname, res in report["dtypes"].items():
-        for method in ("spec_0.5b", "spec_smollm2", "ngram"):
+        for method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "ngram"):
             r = res["graphspec"].get(method)
             old = pairs.get(f"{method}/{dname}", {})
             if r is None or old.get("prompts", 0) * old.get("max_new_tokens", 0) > (
@@ -369,7 +372,8 @@ def main(argv=None) -> int:
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         log(f"[{dname}]")
-        ks = {"spec_0.5b": args.k_model, "spec_smollm2": args.k_cross, "ngram": args.k_ngram}
+        ks = {"spec_0.5b": args.k_model, "spec_0.5b_chain": args.k_model, "spec_smollm2": args.k_cross,
+              "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
                                    "auto" if args.draft_vocab is None else args.draft_vocab or None,
