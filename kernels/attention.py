@@ -174,21 +174,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         return _attention_triton(q, k, v, scale, tree=tree)
     T, L = q.shape[1], k.shape[1]
     if tree is not None and 1 < T <= _ROWWISE_MAX_T:
-        # As below, one one-row call per row over exactly the keys it sees, gathered: the cache prefix, then
-        # its ancestors and itself in order; bit-identical to a one-token step whose cache held just those.
+        # As below, one one-row call per row over exactly the keys it sees: the cache prefix, then its
+        # ancestors and itself in order; bit-identical to a one-token step whose cache held just those.
         _validate(q, k, v, scale, tree)
-        qf, kf, vf = q.float(), k.float(), v.float()  # once, exactly: attention_ref would convert per row
-        prefix = torch.arange(L - T, device=k.device)
-        rows = []
-        for j in range(T):
-            seen = tree[j].nonzero()[:, 0]
-            if int(seen[-1]) == seen.numel() - 1:  # a chain row sees new keys 0..j: a slice, nothing to gather
-                n = L - T + seen.numel()
-                rows.append(attention_ref(qf[:, j:j + 1], kf[:, :n], vf[:, :n], scale))
-                continue
-            keys = torch.cat([prefix, (L - T) + seen])
-            rows.append(attention_ref(qf[:, j:j + 1], kf.index_select(1, keys), vf.index_select(1, keys), scale))
-        return torch.cat(rows, dim=1).to(q.dtype)
+        return _tree_rows(q, k, v, scale, tree)
     if 1 < T <= _ROWWISE_MAX_T:
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16
         # greedy speculative output drifts from autoregressive: torch's CPU SDPA rounds a row differently
@@ -205,6 +194,44 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
 # Verify-sized blocks (K + 1 rows) take the row-by-row CPU path above; prefill keeps one batched call.
 _ROWWISE_MAX_T = 16
+
+
+def _tree_rows(q, k, v, scale, tree) -> torch.Tensor:
+    """The CPU tree path of ``attention``: each row over its own keys, in three kinds.
+
+    - A chain row sees new keys 0..j: a slice of the cache, nothing moved.
+    - A leaf beside the chain sees new keys 0..a-1 and itself (a draft's sibling). Its keys are the
+      slice ``[:L-T+a+1]`` once its own key is written at slot ``L-T+a``, in the fp32 copy made here.
+      Such rows run after every chain row and every gathered one, deepest first, with their own keys
+      saved beforehand, so no row reads a slot that an earlier write changed.
+    - Anything else is gathered (``index_select``).
+
+    Gathering every row instead allocated a fresh copy of the whole cache per row and layer; measured
+    inside an end-to-end run, the 0.5B's 6-row tree verify took 232 ms against 198 ms for a chain.
+    """
+    T, L = q.shape[1], k.shape[1]
+    base = L - T
+    qf = q.float()
+    # fp32 copies, written into below (an fp32 cache must not be touched: clone it)
+    kf = k.float() if k.dtype != torch.float32 else k.clone()
+    vf = v.float() if v.dtype != torch.float32 else v.clone()
+    rows: list[torch.Tensor | None] = [None] * T
+    leaves: list[tuple[int, int]] = []  # (a, row): row sees new keys 0..a-1, then itself
+    for j in range(T):
+        seen = tree[j].nonzero()[:, 0].tolist()
+        a = len(seen) - 1
+        if seen[-1] == a:  # a chain row
+            rows[j] = attention_ref(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
+        elif seen[:-1] == list(range(a)):
+            leaves.append((a, j))
+        else:
+            keys = torch.tensor([*range(base), *(base + s for s in seen)], device=k.device)
+            rows[j] = attention_ref(qf[:, j:j + 1], kf.index_select(1, keys), vf.index_select(1, keys), scale)
+    own = {j: (kf[:, base + j].clone(), vf[:, base + j].clone()) for _, j in leaves}  # before any write
+    for a, j in sorted(leaves, reverse=True):
+        kf[:, base + a], vf[:, base + a] = own[j]
+        rows[j] = attention_ref(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
+    return torch.cat(rows, dim=1).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- Triton kernels
