@@ -52,9 +52,9 @@ def prefill(model, cache, tokens: list[int], device) -> None:
 
 # draft_siblings="auto": a same-vocabulary model draft proposes up to this many siblings, any other a chain.
 # Qwen2.5-Coder-0.5B int8 drafting for the 1.5B (bf16, 1 thread, K=5, 4 prompts x 128 tokens): 3.16 -> 3.41
-# tokens per target forward; faster than the chain in each of four interleaved sweeps (+1% to +8%, mean
-# +4.5%), though separate end-to-end runs (1.96x vs 1.92-1.99x for chains) cannot tell them apart: on that
-# CPU the fuller verify gives back part of the gain (perf/RESULTS.md). Rows are cheaper on a GPU.
+# tokens per target forward. In a process of its own it beat the chain in five paired runs (+1% to +9%); in
+# the full benchmark, beside transformers' models, it did not (1.78x vs 1.90x, 1.98x vs 2.00x): on that
+# CPU a fuller verify gives back much of the gain (perf/RESULTS.md). Rows are cheaper on a GPU.
 AUTO_DRAFT_SIBLINGS = 4
 
 
