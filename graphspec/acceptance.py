@@ -31,6 +31,7 @@ import torch
 from graphspec.graph import Stage
 from graphspec.kernels.rejection import rejection_sample
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
+from graphspec.state import tree_children
 
 __all__ = ["GreedyAcceptance", "RejectionSampling", "TreeAcceptance", "greedy_accept"]
 
@@ -135,9 +136,8 @@ class TreeAcceptance(Stage):
         draft = state.draft_ids[0].tolist()
         parents = tuple(state.draft_parents)
         k = len(draft)
-        children: dict[int, list[int]] = {}
-        for j, parent in enumerate(parents):
-            children.setdefault(parent, []).append(j)  # row of draft j is j + 1
+        # children[row]: the drafts hanging under that row, as draft indices (draft j is row j + 1)
+        children = {row: [r - 1 for r in rows] for row, rows in tree_children(parents).items()}
         out: list[int] = []
         cur = 0
         extra = state.run.extra.setdefault("tree", {"siblings_proposed": 0, "siblings_accepted": 0})

@@ -34,7 +34,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["SamplingParams", "State", "RunInfo"]
+__all__ = ["SamplingParams", "State", "RunInfo", "tree_children", "tree_depths"]
+
+
+def tree_children(parents) -> dict[int, list[int]]:
+    """``draft_parents`` as ``{row: [child rows]}``, in row order (row 0 the pending token, j + 1 draft j)."""
+    children: dict[int, list[int]] = {}
+    for row, parent in enumerate(parents, start=1):
+        children.setdefault(parent, []).append(row)
+    return children
+
+
+def tree_depths(parents) -> list[int]:
+    """The depth of every row of ``[pending, drafts]`` under ``draft_parents`` (the pending token is 0)."""
+    depths = [0]
+    for parent in parents:
+        depths.append(depths[parent] + 1)
+    return depths
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from graphspec.state import tree_depths
+
 __all__ = ["GenerationStats"]
 
 
@@ -50,13 +52,7 @@ class GenerationStats:
         self.steps += 1
         self.proposed += proposed
         self.accepted += accepted
-        if parents is None:
-            depths = range(proposed)
-        else:
-            rows = [0]  # depth of each row of [pending, drafts]
-            for p in parents:
-                rows.append(rows[p] + 1)
-            depths = range(max(rows))
+        depths = range(proposed) if parents is None else range(max(tree_depths(parents)))
         for i in depths:
             self.proposed_per_position[i] += 1
         for i in range(accepted):

@@ -19,6 +19,7 @@ import torch
 from graphspec.drafters import start_cache
 from graphspec.graph import Stage
 from graphspec.kernels.attention import ancestor_mask
+from graphspec.state import tree_children, tree_depths
 
 __all__ = ["Verify", "TreeVerify"]
 
@@ -69,9 +70,7 @@ class TreeVerify(Verify):
         last = scratch.pop("tree", None)
         if last is not None:  # keep the accepted branch of the last step's tree
             base, row_tokens, parents = last
-            children: dict[int, list[int]] = {}
-            for row, parent in enumerate(parents, start=1):
-                children.setdefault(parent, []).append(row)
+            children = tree_children(parents)
             path, cur = [0], 0
             for t in tokens[base + 1:n - 1]:
                 nxt = [r for r in children.get(cur, ()) if row_tokens[r] == t]
@@ -93,9 +92,7 @@ class TreeVerify(Verify):
         if parents == tuple(range(k)):  # a chain: the plain causal forward
             state.target_logits = self.model.step(ids, cache, logits_for="all")
         else:
-            depth = [0]
-            for p in parents:
-                depth.append(depth[p] + 1)
+            depth = tree_depths(parents)
             positions = (n - 1 + torch.tensor(depth, dtype=torch.int64)).to(state.run.device).view(1, -1)
             tree = ancestor_mask([-1] + list(parents), device=state.run.device)
             state.target_logits = self.model.step(ids, cache, positions=positions, logits_for="all", tree=tree)

@@ -172,23 +172,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     """
     if use_triton(q):
         return _attention_triton(q, k, v, scale, tree=tree)
-    T, L = q.shape[1], k.shape[1]
-    if tree is not None and 1 < T <= _ROWWISE_MAX_T:
-        # As below, one one-row call per row over exactly the keys it sees: the cache prefix, then its
-        # ancestors and itself in order; bit-identical to a one-token step whose cache held just those.
-        _validate(q, k, v, scale, tree)
-        return _tree_rows(q, k, v, scale, tree)
+    T = q.shape[1]
     if 1 < T <= _ROWWISE_MAX_T:
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16
         # greedy speculative output drifts from autoregressive: torch's CPU SDPA rounds a row differently
         # depending on how many rows it is given (measured: ~9% of bf16 rows). So each row runs as its own
-        # one-row call over exactly the keys it sees; attention is a few % of a CPU step.
-        # k and v go to fp32 once here (exact), not once per row inside attention_ref: 6 rows of a 1.5B
-        # bf16 verify, 300 cached keys, 1 thread: 597 -> 483 us a layer.
-        _validate(q, k, v, scale)
-        qf, kf, vf = q.float(), k.float(), v.float()
-        return torch.cat([attention_ref(qf[:, j:j + 1], kf[:, :L - T + 1 + j], vf[:, :L - T + 1 + j], scale)
-                          for j in range(T)], dim=1).to(q.dtype)
+        # one-row call over exactly the keys it sees (with a tree: the cache prefix, then its ancestors and
+        # itself, in order); attention is a few % of a CPU step.
+        _validate(q, k, v, scale, tree)
+        return _rowwise(q, k, v, scale, tree)
     return attention_ref(q, k, v, scale, tree)
 
 
@@ -196,29 +188,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 _ROWWISE_MAX_T = 16
 
 
-def _tree_rows(q, k, v, scale, tree) -> torch.Tensor:
-    """The CPU tree path of ``attention``: each row over its own keys, in three kinds.
+def _rowwise(q, k, v, scale, tree=None) -> torch.Tensor:
+    """The CPU verify path of ``attention``: each row a one-row ``attention_ref`` over its own keys.
 
-    - A chain row sees new keys 0..j: a slice of the cache, nothing moved.
+    k and v go to fp32 once here (exact), not once per row inside attention_ref: 6 rows of a 1.5B bf16
+    verify, 300 cached keys, 1 thread: 597 -> 483 us a layer. Rows come in three kinds:
+
+    - A chain row sees new keys 0..j (every row without a tree): a slice of the cache, nothing moved.
     - A leaf beside the chain sees new keys 0..a-1 and itself (a draft's sibling). Its keys are the
-      slice ``[:L-T+a+1]`` once its own key is written at slot ``L-T+a``, in the fp32 copy made here.
-      Such rows run after every chain row and every gathered one, deepest first, with their own keys
-      saved beforehand, so no row reads a slot that an earlier write changed.
+      slice ``[:L-T+a+1]`` once its own key is written at slot ``L-T+a`` of the fp32 copy (cloned first
+      if k was fp32 already). Such rows run after all others, deepest first, with their own keys saved
+      beforehand, so no row reads a slot that an earlier write changed.
     - Anything else is gathered (``index_select``).
 
-    Gathering every row instead allocated a fresh copy of the whole cache per row and layer; measured
-    inside an end-to-end run, the 0.5B's 6-row tree verify took 232 ms against 198 ms for a chain.
+    Gathering every tree row instead allocated a fresh copy of the whole cache per row and layer;
+    measured inside an end-to-end run, the 0.5B's 6-row tree verify took 232 ms against 198 ms for a chain.
     """
     T, L = q.shape[1], k.shape[1]
     base = L - T
-    qf = q.float()
-    # fp32 copies, written into below (an fp32 cache must not be touched: clone it)
-    kf = k.float() if k.dtype != torch.float32 else k.clone()
-    vf = v.float() if v.dtype != torch.float32 else v.clone()
+    qf, kf, vf = q.float(), k.float(), v.float()
+    visible = [list(range(j + 1)) for j in range(T)] if tree is None else [
+        [i for i, x in enumerate(row) if x] for row in tree.tolist()]  # one read of the tree, not one per row
     rows: list[torch.Tensor | None] = [None] * T
     leaves: list[tuple[int, int]] = []  # (a, row): row sees new keys 0..a-1, then itself
-    for j in range(T):
-        seen = tree[j].nonzero()[:, 0].tolist()
+    for j, seen in enumerate(visible):
         a = len(seen) - 1
         if seen[-1] == a:  # a chain row
             rows[j] = attention_ref(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
@@ -227,10 +220,13 @@ def _tree_rows(q, k, v, scale, tree) -> torch.Tensor:
         else:
             keys = torch.tensor([*range(base), *(base + s for s in seen)], device=k.device)
             rows[j] = attention_ref(qf[:, j:j + 1], kf.index_select(1, keys), vf.index_select(1, keys), scale)
-    own = {j: (kf[:, base + j].clone(), vf[:, base + j].clone()) for _, j in leaves}  # before any write
-    for a, j in sorted(leaves, reverse=True):
-        kf[:, base + a], vf[:, base + a] = own[j]
-        rows[j] = attention_ref(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
+    if leaves:
+        if kf.data_ptr() == k.data_ptr():  # an fp32 cache: write into a copy, never into the cache
+            kf, vf = kf.clone(), vf.clone()
+        own = {j: (kf[:, base + j].clone(), vf[:, base + j].clone()) for _, j in leaves}  # before any write
+        for a, j in sorted(leaves, reverse=True):
+            kf[:, base + a], vf[:, base + a] = own[j]
+            rows[j] = attention_ref(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
     return torch.cat(rows, dim=1).to(q.dtype)
 
 
