@@ -108,8 +108,8 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                         "int8 draft, else none")
     p.add_argument("--draft-siblings", type=_draft_siblings, default="auto", metavar="N",
                    help="a draft tree: up to N alternative tokens beside the draft's chain, in the verify rows the "
-                        "chain left unused (same-vocabulary model drafts; output unchanged); 0: a chain; "
-                        "auto (the default) = 4 for a model draft sharing the target's tokenizer, else 0")
+                        "chain left unused (model drafts, with either tokenizer; output unchanged); 0: a chain; "
+                        "auto (the default) = 4 for a model draft")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
                    help="a model draft stops proposing once it gives its own token less than P "
                         "(default 0.4; 'none' always drafts K)")
@@ -267,7 +267,7 @@ def _draft_kw(args) -> dict:
         kw["draft_vocab"] = "auto"  # graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft, else all
     if args.draft_siblings == "auto":
         if model_draft:
-            kw["draft_siblings"] = "auto"  # graphspec.drafters.AUTO_DRAFT_SIBLINGS for a same-vocabulary draft
+            kw["draft_siblings"] = "auto"  # graphspec.drafters.AUTO_DRAFT_SIBLINGS
     elif args.draft_siblings:
         if not model_draft:
             raise CLIError("--draft-siblings branches a model draft's proposals; give --draft a model")

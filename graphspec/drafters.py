@@ -15,9 +15,10 @@ and ``draft_probs`` (``[1, k, V_target]`` fp32, or None when the draft carries n
   The draft's logits are cut (or q zero-padded) to the target's vocabulary width, so it never
   proposes an id the target does not have (embedding tables are often padded differently).
   With ``siblings=n`` it proposes a draft tree: after its chain, up to n sibling leaves (the
-  draft's next choices at the depths where reaching them and being wrong is likeliest) fill the
-  verify rows the chain left unused, and it writes ``draft_parents`` (see ``TreeVerify``). Its own
-  cache then keeps only the chain tokens that were committed, since the target may take a sibling.
+  draft's next choices at the depths where reaching them and being wrong is likeliest:
+  ``sibling_slots``, ``draw_siblings``, shared with the cross-vocabulary drafter) fill the verify
+  rows the chain left unused, and it writes ``draft_parents`` (see ``TreeVerify``). Its own cache
+  then keeps only the chain tokens that were committed, since the target may take a sibling.
 - ``NgramDrafter`` (prompt lookup): proposes the continuation of the most recent earlier
   occurrence of the last n committed tokens, n = max_ngram .. min_ngram. An index from n-gram to
   its latest end position is updated with the new tokens only, so a step costs O(new tokens);
@@ -32,7 +33,8 @@ import torch
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
-__all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "DraftHead", "ModelDrafter", "NgramDrafter", "draft_vocab_ids"]
+__all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "DraftHead", "ModelDrafter", "NgramDrafter", "draw_siblings",
+           "draft_vocab_ids", "sibling_slots"]
 
 DRAFT_READS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 DRAFT_WRITES = ("draft_ids", "draft_probs")
@@ -50,11 +52,13 @@ def prefill(model, cache, tokens: list[int], device) -> None:
         model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
 
 
-# draft_siblings="auto": a same-vocabulary model draft proposes up to this many siblings, any other a chain.
+# draft_siblings="auto": a model draft proposes up to this many siblings (prompt lookup: a chain).
 # Qwen2.5-Coder-0.5B int8 drafting for the 1.5B (bf16, 1 thread, K=5, 4 prompts x 128 tokens): 3.16 -> 3.41
 # tokens per target forward. In a process of its own it beat the chain in five paired runs (+1% to +9%); in
 # the full benchmark, beside transformers' models, it did not (1.78x vs 1.90x, 1.98x vs 2.00x): on that
 # CPU a fuller verify gives back much of the gain (perf/RESULTS.md). Rows are cheaper on a GPU.
+# SmolLM2-135M int8 across tokenizers (SLEM, K=4, 4 prompts x 64 tokens): 2.06 -> 2.17-2.19 tokens per
+# target forward, 1.58x -> 1.64-1.74x our autoregressive in two paired sweeps (perf/RESULTS.md).
 AUTO_DRAFT_SIBLINGS = 4
 
 
@@ -84,6 +88,55 @@ def draft_confidence(logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor 
     if q is not None:
         return float(q[0, token[0]])
     return float(torch.exp(logits[0, token[0]] - torch.logsumexp(logits[0], dim=-1)))
+
+
+def sibling_slots(chain: list[int], dists: list[torch.Tensor], budget: int, greedy: bool,
+                  min_score: float = 0.0) -> list[tuple[float, int, int]]:
+    """The ``budget`` best places for a sibling leaf beside ``chain``: ``(score, depth, token)``, best first.
+
+    ``dists[i]`` ``[1, V]`` is what the draft chose ``chain[i]`` from: its logits (greedy) or its warped q
+    (sampling). A slot (depth i, rank r) scores P(the draft reaches depth i along the chain) x the r-th
+    largest probability among the other tokens at depth i: the draft's own guess of how often the target
+    takes that leaf. ``token`` is that r-th token (the leaf itself when greedy; sampled leaves are drawn by
+    ``draw_siblings``). Slots scoring below ``min_score`` are left out.
+    """
+    if budget <= 0:
+        return []
+    slots: list[tuple[float, int, int]] = []
+    reach = 1.0
+    for depth, (a, d) in enumerate(zip(chain, dists)):
+        p = torch.softmax(d[0], dim=-1) if greedy else d[0]
+        vals, idx = torch.topk(p, min(budget + 1, p.shape[-1]))
+        others = [(v, t) for v, t in zip(vals.tolist(), idx.tolist()) if t != a and v > 0][:budget]
+        slots.extend((reach * v, depth, t) for v, t in others if reach * v >= min_score)
+        reach *= float(p[a])
+    return sorted(slots, key=lambda s: -s[0])[:budget]  # stable: ties keep the shallower slot
+
+
+def draw_siblings(chain: list[int], dists: list[torch.Tensor], slots: list[tuple[float, int, int]], greedy: bool,
+                  generator) -> tuple[list[int], list[int]]:
+    """The leaves for ``slots`` (``sibling_slots``): ``(ids, depths)``, depth-major, in draw order.
+
+    Greedy: each slot's own token. Sampling: how many leaves a depth gets is decided before any is
+    drawn, then they are drawn from q without replacement (the chain's token removed first), which is
+    what ``TreeAcceptance``'s recursive rejection sampling needs. The chain is never cut to make room:
+    whether a sampled token is offered must not depend on its own value (a version that did was biased,
+    and tests/graphspec/test_tree.py's chi-square test caught it).
+    """
+    chosen = sorted(slots, key=lambda s: s[1])  # depth-major, stable
+    if greedy:
+        return [t for _, _, t in chosen], [depth for _, depth, _ in chosen]
+    ids: list[int] = []
+    depths: list[int] = []
+    for depth in sorted({depth for _, depth, _ in chosen}):
+        q = dists[depth][0].clone()
+        q[chain[depth]] = 0.0
+        for _ in range(sum(1 for _, d_, _ in chosen if d_ == depth)):
+            t = int(sample(q.view(1, -1), exponential_noise((1, q.shape[-1]), generator, q.device))[0])
+            ids.append(t)
+            depths.append(depth)
+            q[t] = 0.0
+    return ids, depths
 
 
 def start_cache(model, state):
@@ -295,41 +348,9 @@ class ModelDrafter(Stage):
         state.draft_probs = q
 
     def _siblings(self, chain: list[int], dists: list[torch.Tensor], budget: int, state) -> tuple[list[int], list[int]]:
-        """Up to ``budget`` sibling leaves for the chain ``chain``: ``(ids, depths)``, depth-major, in draw order.
-
-        A slot (depth i, rank r) scores P(the draft reaches depth i along the chain) x the r-th largest
-        probability among the other tokens at depth i: the draft's own guess of how often the target
-        takes that leaf. Greedy: the leaf is that r-th token. Sampling: how many leaves a depth gets is
-        decided before any is drawn, then they are drawn from q without replacement (the chain's token
-        removed first), which is what ``TreeAcceptance``'s recursive rejection sampling needs. The chain
-        is never cut to make room: whether a sampled token is offered must not depend on its own value
-        (a version that did was biased, and tests/graphspec/test_tree.py's chi-square test caught it).
-        """
-        if budget <= 0:
-            return [], []
-        params = state.params
-        slots: list[tuple[float, int, int]] = []  # (score, depth, token for greedy)
-        reach = 1.0
-        for depth, (a, d) in enumerate(zip(chain, dists)):
-            p = torch.softmax(d[0], dim=-1) if params.greedy else d[0]
-            vals, idx = torch.topk(p, min(budget + 1, p.shape[-1]))
-            others = [(v, t) for v, t in zip(vals.tolist(), idx.tolist()) if t != a and v > 0][:budget]
-            slots.extend((reach * v, depth, t) for v, t in others if reach * v >= self.sibling_min_score)
-            reach *= float(p[a])
-        chosen = sorted(sorted(slots, key=lambda s: -s[0])[:budget], key=lambda s: s[1])  # depth-major, stable
-        if params.greedy:
-            return [t for _, _, t in chosen], [depth for _, depth, _ in chosen]
-        ids: list[int] = []
-        depths: list[int] = []
-        for depth in sorted({depth for _, depth, _ in chosen}):
-            q = dists[depth][0].clone()
-            q[chain[depth]] = 0.0
-            for _ in range(sum(1 for _, d_, _ in chosen if d_ == depth)):
-                t = int(sample(q.view(1, -1), exponential_noise((1, q.shape[-1]), state.generator, q.device))[0])
-                ids.append(t)
-                depths.append(depth)
-                q[t] = 0.0
-        return ids, depths
+        """Up to ``budget`` sibling leaves for ``chain``: ``(ids, depths)``, depth-major (``sibling_slots``)."""
+        slots = sibling_slots(chain, dists, budget, state.params.greedy, self.sibling_min_score)
+        return draw_siblings(chain, dists, slots, state.params.greedy, state.generator)
 
 
 class NgramDrafter(Stage):

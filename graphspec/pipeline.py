@@ -105,7 +105,7 @@ def _same_vocabulary(target, draft) -> bool:
 
 
 def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = None,
-                 draft_vocab=None) -> tuple[Stage, Stage] | None:
+                 draft_vocab=None, siblings: int = 0) -> tuple[Stage, Stage] | None:
     """``(drafter, map stage)`` for a draft with another tokenizer, or None when they share one.
 
     The single hook for cross-vocabulary drafting (``graphspec.vocab_stages``): the drafter keeps
@@ -125,7 +125,8 @@ def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = 
                          f"vocab_mapping='none' if they share one vocabulary")
     from graphspec.vocab_stages import vocab_stages
 
-    return vocab_stages(target, draft, mode, confidence_threshold=confidence_threshold, draft_vocab=draft_vocab)
+    return vocab_stages(target, draft, mode, confidence_threshold=confidence_threshold, draft_vocab=draft_vocab,
+                        siblings=siblings)
 
 
 def _check_positive_int(name: str, v, minimum: int = 1) -> int:
@@ -207,12 +208,13 @@ class Pipeline:
     ``draft_vocab``: prune a model draft's vocabulary to its ``n`` lowest ids (plus special tokens) or to
     given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless. "auto":
     65536 ids for an int8 draft (the CLI's default), the whole vocabulary for any other.
-    ``draft_siblings=n``: a draft tree. Besides its chain, a model draft (same vocabulary) proposes up to
-    n alternative tokens as leaves beside chain tokens, where it is least sure, in the verify rows the
-    chain left unused (a step still verifies at most K + 1 rows); ``TreeVerify`` checks all branches in
-    one forward and ``TreeAcceptance`` keeps the longest accepted path (greedy, or recursive rejection
-    sampling: lossless at every temperature). "auto": ``AUTO_DRAFT_SIBLINGS`` for a model draft that shares
-    the target's vocabulary (the CLI's default), a chain for any other draft.
+    ``draft_siblings=n``: a draft tree. Besides its chain, a model draft proposes up to n alternative
+    tokens as leaves beside chain tokens, where it is least sure, in the verify rows the chain left
+    unused (a step still verifies at most K + 1 rows); ``TreeVerify`` checks all branches in one forward
+    and ``TreeAcceptance`` keeps the longest accepted path (greedy, or recursive rejection sampling:
+    lossless at every temperature). Across tokenizers, TLI maps each sibling to its one target id and
+    SLEM re-tokenizes each sibling's text into a branch of target ids (``graphspec.vocab_stages``).
+    "auto": ``AUTO_DRAFT_SIBLINGS`` for a model draft (the CLI's default), a chain for prompt lookup.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
@@ -238,10 +240,7 @@ class Pipeline:
         if draft_vocab is not None and not model_draft:
             raise ValueError(f"draft_vocab needs a model draft, got draft={draft!r}")
         if siblings == "auto":
-            siblings = AUTO_DRAFT_SIBLINGS if model_draft else 0  # and 0 across vocabularies, below
-            auto_siblings = True
-        else:
-            auto_siblings = False
+            siblings = AUTO_DRAFT_SIBLINGS if model_draft else 0
         if siblings and not model_draft:
             raise ValueError(f"draft_siblings={siblings} needs a model draft (a path, zoo name or loaded model) that "
                              f"ranks alternatives, got draft={draft!r}")
@@ -256,16 +255,10 @@ class Pipeline:
             if torch.device(self.draft.device) != torch.device(self.target.device):
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")
-            cross = _vocab_stage(self.target, self.draft, vocab_mapping, threshold, draft_vocab)
-            if cross is not None and auto_siblings:
-                siblings = 0
+            cross = _vocab_stage(self.target, self.draft, vocab_mapping, threshold, draft_vocab, siblings)
             if cross is None:
                 drafter = ModelDrafter(self.draft, confidence_threshold=threshold, draft_vocab=draft_vocab,
                                        siblings=siblings)
-            elif siblings:
-                raise ValueError(f"draft_siblings={siblings} needs a draft that shares the target's vocabulary; this "
-                                 f"draft's tokenizer differs (its alternatives would be text, not target tokens): "
-                                 f"use draft_siblings=0")
             else:
                 drafter, mapper = cross
                 between.append(mapper)

@@ -29,6 +29,16 @@ same-vocabulary stages, unchanged.
   and 2.45 vs 2.07 at K=5. TLI loses where the draft's natural tokens are missing from the target's
   vocabulary (indentation runs, word pieces): masked, the draft must spell them differently.
 
+- Draft trees (``siblings=n``, see ``graphspec.drafters.ModelDrafter``): the draft ranks its next-best
+  tokens beside its chain with the same rule as a same-vocabulary draft and writes
+  ``draft_own_parents``. TLI: every sibling is one shared id, so the tree maps one to one, q included,
+  and ``TreeAcceptance`` samples it losslessly. SLEM: each sibling's text (the chain's draft tokens
+  before its depth, then the sibling) is re-tokenized like the chain, and the target-id sequences are
+  merged into a trie (``VocabMap.retokenize_tree``): a sibling that spells the same first target
+  tokens as the chain shares its rows, the rest of it becomes a branch, up to ``num_draft`` rows in all.
+  The draft's own text and cache need nothing new: ``_sync`` already folds in whatever the target
+  committed, a taken sibling included.
+
 Per-run bookkeeping lives in ``state.scratch(stage)``; the resolved mode and the intersection
 size go to ``state.run.extra["vocab"]``.
 """
@@ -39,7 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphspec.drafters import DraftHead, check_confidence_threshold, draft_confidence, next_logits, prefill
+from graphspec.drafters import (DraftHead, check_confidence_threshold, check_siblings, draft_confidence, draw_siblings,
+                                next_logits, prefill, sibling_slots)
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 from graphspec.kernels.vocab_map import vocab_map, vocab_mask_logits
@@ -56,6 +67,7 @@ DRAFT_LOOKBEHIND = 4
 TARGET_LOOKBEHIND = 4
 
 DRAFT_OWN_FIELDS = ("draft_own_ids", "draft_own_probs")
+DRAFT_OWN_TREE = "draft_own_parents"  # a draft tree in the draft's own ids (``siblings``), as draft_parents
 
 
 def resolve_mode(mode: str, params) -> str:
@@ -93,14 +105,19 @@ class _DraftText:
 
 
 class CrossVocabDrafter(Stage):
-    """Draft with a model whose tokenizer differs from the target's (TLI or SLEM, see the module)."""
+    """Draft with a model whose tokenizer differs from the target's (TLI or SLEM, chain or tree, see the module)."""
 
     reads = ("tokens", "num_draft", "params", "generator")
     writes = DRAFT_OWN_FIELDS
 
     def __init__(self, model, mapping: VocabMapping, target_tokenizer, mode: str = "auto", name: str = "draft",
-                 confidence_threshold: float | None = None, draft_vocab=None):
+                 confidence_threshold: float | None = None, draft_vocab=None, siblings: int = 0):
         super().__init__(name)
+        # A draft tree (see ModelDrafter): up to ``siblings`` next-best draft tokens beside the chain.
+        # TLI maps them one to one; SLEM re-tokenizes each alternative text (VocabMap).
+        self.siblings = check_siblings(siblings)
+        if self.siblings:
+            self.writes = DRAFT_OWN_FIELDS + (DRAFT_OWN_TREE,)
         self.confidence_threshold = check_confidence_threshold(confidence_threshold)  # see ModelDrafter
         if mode not in VOCAB_MODES:
             raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MODES}")
@@ -281,8 +298,7 @@ class CrossVocabDrafter(Stage):
         k = state.num_draft
         own = text.own
         if k <= 0 or not own:
-            state.draft_own_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
-            state.draft_own_probs = None
+            self._empty(state)
             return
 
         cache = sc["cache"]
@@ -297,8 +313,7 @@ class CrossVocabDrafter(Stage):
         cache = sc["cache"]
         k = min(k, capacity - len(own) + 1)
         if k <= 0:
-            state.draft_own_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
-            state.draft_own_probs = None
+            self._empty(state)
             return
 
         params = state.params
@@ -312,6 +327,7 @@ class CrossVocabDrafter(Stage):
         fed.extend(own[common:])
         picks: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
+        dists: list[torch.Tensor] = []  # per depth, what siblings are ranked (and drawn) by
         for i in range(k):
             logits = next_logits(self.model, self.head, new, cache)[:, :vd]  # [1, Vd] fp32
             run.draft_forwards += 1
@@ -324,12 +340,14 @@ class CrossVocabDrafter(Stage):
                 tok = sample(q, exponential_noise(q.shape, state.generator, q.device))
                 probs.append(q)
             picks.append(tok)
+            if self.siblings:
+                dists.append(q if q is not None else logits)
             if (self.confidence_threshold is not None and i < k - 1
                     and draft_confidence(logits, tok, q) < self.confidence_threshold):
                 break
             new = tok.view(1, 1)
         ids = torch.stack(picks, dim=1)  # [1, k] draft ids
-        proposals = ids[0].tolist()
+        chain = proposals = ids[0].tolist()
         fed.extend(proposals[:-1])
         if not tli:
             for i, d in enumerate(proposals):
@@ -338,8 +356,27 @@ class CrossVocabDrafter(Stage):
                     ids = ids[:, :i]
                     break
         text.proposals = proposals
+        if self.siblings:
+            if tli:  # one target row per sibling: fill the rows the chain left unused, as ModelDrafter
+                slots = sibling_slots(chain, dists, min(self.siblings, k - len(chain)), params.greedy)
+                sib_ids, sib_depths = draw_siblings(chain, dists, slots, params.greedy, state.generator)
+            else:  # SLEM: best first, the map stage takes them while the target rows last
+                slots = sibling_slots(chain, dists, self.siblings, True)
+                slots = [s for s in slots if s[1] <= len(proposals) and s[2] not in self._draft_special]
+                sib_ids, sib_depths = [s[2] for s in slots], [s[1] for s in slots]
+            state.draft_own_parents = tuple(range(len(proposals))) + tuple(sib_depths)
+            if sib_ids:
+                ids = torch.cat([ids, torch.tensor([sib_ids], dtype=torch.int64, device=device)], dim=1)
+                if probs:
+                    probs.extend([probs[d] for d in sib_depths])
         state.draft_own_ids = ids
         state.draft_own_probs = torch.stack(probs, dim=1) if probs else None  # [1, k, Vd]
+
+    def _empty(self, state) -> None:
+        state.draft_own_ids = torch.empty(1, 0, dtype=torch.int64, device=state.run.device)
+        state.draft_own_probs = None
+        if self.siblings:
+            state.draft_own_parents = ()
 
 
 class VocabMap(Stage):
@@ -350,6 +387,9 @@ class VocabMap(Stage):
 
     def __init__(self, drafter: CrossVocabDrafter, name: str = "map"):
         super().__init__(name)
+        if drafter.siblings:
+            self.reads = VocabMap.reads + (DRAFT_OWN_TREE,)
+            self.writes = VocabMap.writes + ("draft_parents",)
         self.drafter = drafter
         self.mapping = drafter.mapping
         self.encoder = ByteEncoder(drafter.target_tokenizer, self.mapping.target_tokens)
@@ -362,9 +402,12 @@ class VocabMap(Stage):
         mode = state.scratch(self.drafter)["mode"]
         own_ids = state.draft_own_ids
         device = own_ids.device
+        tree = self.drafter.siblings > 0
         if own_ids.shape[1] == 0:
             state.draft_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
             state.draft_probs = None
+            if tree:
+                state.draft_parents = ()
             return
         if mode == "tli":
             d2t = self.mapping.tables_on(device)[0]
@@ -375,10 +418,55 @@ class VocabMap(Stage):
             else:
                 k, vd = q.shape[1], q.shape[2]
                 state.draft_probs = vocab_map(q.view(k, vd), d2t, self.mapping.target_vocab_size).view(1, k, -1)
+            if tree:
+                state.draft_parents = tuple(state.draft_own_parents)  # one target id per draft id: same tree
             return
-        state.draft_ids = torch.tensor([self.retokenize(state.tokens, own_ids[0].tolist(), state.num_draft)],
-                                       dtype=torch.int64, device=device).view(1, -1)
         state.draft_probs = None
+        own = own_ids[0].tolist()
+        if not tree:
+            ids = self.retokenize(state.tokens, own, state.num_draft)
+        else:
+            ids, parents = self.retokenize_tree(state.tokens, own, tuple(state.draft_own_parents), state.num_draft)
+            state.draft_parents = parents
+        state.draft_ids = torch.tensor([ids], dtype=torch.int64, device=device).view(1, -1)
+
+    def retokenize_tree(self, committed: list[int], own: list[int], parents: tuple[int, ...],
+                        limit: int) -> tuple[list[int], tuple[int, ...]]:
+        """SLEM for a draft tree: the target-token tree of the chain's text and each sibling's text.
+
+        ``own``/``parents``: the draft's chain (each parent the previous row), then sibling ids, each under
+        the chain row of its depth, best first. The chain's text is re-tokenized as for a chain (up to
+        ``limit`` target ids); each sibling's text (the chain's ids before its depth, then the sibling) is
+        re-tokenized too and merged into a trie of target ids: where it agrees with a branch already
+        there it follows it, the rest becomes new rows. Rows stop at ``limit`` in all, so a step verifies
+        no more rows than a chain of ``limit``. Children of a row differ, as TreeVerify needs.
+        """
+        n_chain = 0
+        while n_chain < len(parents) and parents[n_chain] == n_chain:
+            n_chain += 1
+        rows: list[int] = []
+        tree: list[int] = []
+        kids: dict[tuple[int, int], int] = {}
+
+        def merge(seq: list[int]) -> None:
+            cur = 0
+            for t in seq:
+                nxt = kids.get((cur, t))
+                if nxt is None:
+                    if len(rows) >= limit:
+                        return
+                    rows.append(t)
+                    tree.append(cur)
+                    nxt = kids[(cur, t)] = len(rows)
+                cur = nxt
+
+        merge(self.retokenize(committed, own[:n_chain], limit))
+        for j in range(n_chain, len(own)):
+            if len(rows) >= limit:
+                break
+            depth = parents[j]
+            merge(self.retokenize(committed, own[:depth] + [own[j]], limit))
+        return rows, tuple(tree)
 
     def retokenize(self, committed: list[int], own_ids: list[int], limit: int) -> list[int]:
         """SLEM: the target's tokens for the draft's text, continuing ``committed`` (at most ``limit``)."""
@@ -405,8 +493,8 @@ class VocabMap(Stage):
         return []
 
 
-def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True,
-                 confidence_threshold: float | None = None, draft_vocab=None) -> tuple[CrossVocabDrafter, VocabMap]:
+def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True, confidence_threshold: float | None = None,
+                 draft_vocab=None, siblings: int = 0) -> tuple[CrossVocabDrafter, VocabMap]:
     """The draft and map stages for a target and draft with different tokenizers.
 
     Builds (or loads from the cache) the vocabulary tables; an empty intersection is a
@@ -421,5 +509,5 @@ def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True,
     mapping = build_vocab_mapping(dt, tt, draft_vocab_size=draft.config.vocab_size,
                                   target_vocab_size=target.config.vocab_size, cache=cache)
     drafter = CrossVocabDrafter(draft, mapping, tt, mode, confidence_threshold=confidence_threshold,
-                                draft_vocab=draft_vocab)
+                                draft_vocab=draft_vocab, siblings=siblings)
     return drafter, VocabMap(drafter)

@@ -9,11 +9,12 @@ milliseconds per forward, and whether the tokens equal the autoregressive ones.
 
     .venv/bin/python perf/draft_sweep.py [--tokens 48] [--prompts 3] [--dtype bf16] [--threads 1]
         [--draft-k 5] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384] [--thresholds 0.4]
-        [--siblings 0 2]
+        [--siblings 0 2] [--cross-siblings 0 2] [--no-model] [--no-cross]
 
 ``--draft-k`` / ``--cross-k`` take several values to sweep the speculation length of each draft,
 ``--thresholds`` several draft confidence thresholds (``none``: always draft K), ``--siblings``
-several ``draft_siblings`` values (draft trees; same-vocabulary drafts only, so the 0.5B).
+several ``draft_siblings`` values for the 0.5B (draft trees) and ``--cross-siblings`` for SmolLM2 (trees
+across tokenizers: each sibling's text re-tokenized). ``--no-model`` / ``--no-cross`` leave a draft out.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", type=_threshold, nargs="+", default=[DEFAULT_DRAFT_CONFIDENCE_THRESHOLD],
                     help="draft confidence thresholds to try ('none' drafts K every step); default: the library's")
     ap.add_argument("--siblings", type=int, nargs="+", default=[0],
-                    help=f"draft_siblings values to try for {DRAFT} (0: a chain); SmolLM2 always runs a chain")
+                    help=f"draft_siblings values to try for {DRAFT} (0: a chain)")
+    ap.add_argument("--cross-siblings", type=int, nargs="+", default=[0],
+                    help=f"draft_siblings values to try for {CROSS_DRAFT} (0: a chain)")
     ap.add_argument("--sibling-min-score", type=float, nargs="+", default=[None],
                     help="ModelDrafter.sibling_min_score values to try with siblings (default: the library's)")
+    ap.add_argument("--model", action=argparse.BooleanOptionalAction, default=True,
+                    help=f"run {DRAFT} (default on)")
     ap.add_argument("--cross", action=argparse.BooleanOptionalAction, default=True,
                     help=f"also run {CROSS_DRAFT} (default on)")
     ap.add_argument("--kinds", nargs="+", default=["plain", "int8", "vocab"], choices=["plain", "int8", "vocab"],
@@ -62,14 +67,15 @@ def main(argv=None) -> int:
     prompts = [p.get("messages") or p["prompt"] for p in load_prompts(limit=args.prompts)]
     target = graphspec.load_model(TARGET, dtype=dtype)
     methods = {"autoregressive": graphspec.Pipeline(target)}
-    for name, ks in ((DRAFT, args.draft_k), (CROSS_DRAFT, args.cross_k) if args.cross else (None, ())):
+    for name, ks in ((DRAFT, args.draft_k) if args.model else (None, ()),
+                     (CROSS_DRAFT, args.cross_k) if args.cross else (None, ())):
         if name is None:
             continue
         short = name.split("-instruct")[0]
         plain = graphspec.load_model(name, dtype=dtype) if "plain" in args.kinds else None
         int8 = graphspec.load_model(name, dtype=dtype, quantize="int8") if {"int8", "vocab"} & set(args.kinds) else None
         for k in ks:
-            sibs = [(s, m) for s in (args.siblings if name == DRAFT else [0])
+            sibs = [(s, m) for s in (args.siblings if name == DRAFT else args.cross_siblings)
                     for m in (args.sibling_min_score if s else [None])]
             for th, (sib, min_score) in ((th, sm) for th in args.thresholds for sm in sibs):
                 tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "") + (

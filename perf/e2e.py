@@ -39,13 +39,13 @@ from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, ma
 from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# spec_0.5b drafts a tree (draft_siblings "auto", as the CLI); spec_0.5b_chain is the same pair as a plain
-# chain, so one run compares the two.
-METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "ngram")
+# spec_0.5b and spec_smollm2 draft trees (draft_siblings "auto", as the CLI); the *_chain methods are the same
+# pairs as plain chains, so one run compares the two.
+METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "ngram")
 HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
 # Which transformers run each graphspec method is compared with.
 HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_0.5b_chain": "hf_assist_0.5b",
-           "spec_smollm2": "hf_assist_smollm2", "ngram": "hf_ar"}
+           "spec_smollm2": "hf_assist_smollm2", "spec_smollm2_chain": "hf_assist_smollm2", "ngram": "hf_ar"}
 
 
 def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
@@ -120,12 +120,10 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
     target = model(TARGET)
     if method == "ar":
         pipe = graphspec.Pipeline(target)
-    elif method in ("spec_0.5b", "spec_0.5b_chain"):
-        pipe = graphspec.Pipeline(target, draft=model(DRAFT, draft_quantize), num_speculative_tokens=k,
-                                  draft_vocab=draft_vocab, draft_siblings=draft_siblings if method == "spec_0.5b" else 0)
-    elif method == "spec_smollm2":
-        pipe = graphspec.Pipeline(target, draft=model(CROSS_DRAFT, draft_quantize), num_speculative_tokens=k,
-                                  draft_vocab=draft_vocab)
+    elif method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain"):
+        name = DRAFT if method.startswith("spec_0.5b") else CROSS_DRAFT
+        pipe = graphspec.Pipeline(target, draft=model(name, draft_quantize), num_speculative_tokens=k,
+                                  draft_vocab=draft_vocab, draft_siblings=0 if method.endswith("_chain") else draft_siblings)
     elif method == "ngram":
         pipe = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k)
     else:
@@ -189,7 +187,8 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
               draft_quantize: str | None = None, draft_vocab: int | str | None = None,
               draft_siblings: int | str = 0) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
-    drafts = {DRAFT: ("spec_0.5b", "spec_0.5b_chain", "hf_assist_0.5b"), CROSS_DRAFT: ("spec_smollm2", "hf_assist_smollm2")}
+    drafts = {DRAFT: ("spec_0.5b", "spec_0.5b_chain", "hf_assist_0.5b"),
+              CROSS_DRAFT: ("spec_smollm2", "spec_smollm2_chain", "hf_assist_smollm2")}
     one_family = _model_bytes(TARGET, dtype) + sum(
         _model_bytes(n, dtype) for n, ms in drafts.items() if any(m in methods or m in hf_methods for m in ms))
     together = bool(hf_methods) and 2 * one_family < 0.75 * _available_bytes()
@@ -301,7 +300,7 @@ def write_acceptance(report: dict) -> Path:
                     f"{TARGET}); tokens_per_target_forward = generated tokens / target verify forwards.")
     pairs = data.setdefault("pairs", {})
     for dname, res in report["dtypes"].items():
-        for method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "ngram"):
+        for method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "ngram"):
             r = res["graphspec"].get(method)
             old = pairs.get(f"{method}/{dname}", {})
             if r is None or old.get("prompts", 0) * old.get("max_new_tokens", 0) > (
@@ -333,9 +332,9 @@ def main(argv=None) -> int:
                     help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); 0 keeps them whole; "
                          f"default: Pipeline(draft_vocab='auto') as the CLI ({AUTO_DRAFT_VOCAB} ids for int8 drafts)")
     ap.add_argument("--draft-siblings", type=int, default=None, metavar="N",
-                    help="a draft tree for the 0.5B (Pipeline(draft_siblings=N)); 0: a chain; default: "
-                         f"Pipeline(draft_siblings='auto') as the CLI ({AUTO_DRAFT_SIBLINGS}); SmolLM2 (other "
-                         "tokenizer) always runs a chain")
+                    help="draft trees for spec_0.5b and spec_smollm2 (Pipeline(draft_siblings=N)); 0: chains; "
+                         f"default: Pipeline(draft_siblings='auto') as the CLI ({AUTO_DRAFT_SIBLINGS}); the *_chain "
+                         "methods always run chains")
     ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
@@ -373,7 +372,7 @@ def main(argv=None) -> int:
         dtype = DTYPES[dname]
         log(f"[{dname}]")
         ks = {"spec_0.5b": args.k_model, "spec_0.5b_chain": args.k_model, "spec_smollm2": args.k_cross,
-              "ngram": args.k_ngram}
+              "spec_smollm2_chain": args.k_cross, "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
                                    "auto" if args.draft_vocab is None else args.draft_vocab or None,

@@ -58,9 +58,10 @@ CONFIGS = {
                      "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
 # Draft configs per acceptance.json pair name ("ngram" has no draft model).
-# spec_0.5b is a draft tree in at most K + 1 rows (its verify costs what a chain's of K does), spec_0.5b_chain a chain.
+# spec_0.5b / spec_smollm2 are draft trees in at most K + 1 rows (a verify costs what a chain's of K does), the
+# *_chain methods chains.
 PAIR_DRAFT = {"spec_0.5b": "qwen2.5-0.5b", "spec_0.5b_chain": "qwen2.5-0.5b", "spec_smollm2": "smollm2-135m",
-              "ngram": None}
+              "spec_smollm2_chain": "smollm2-135m", "ngram": None}
 
 
 def tiny(config: dict) -> dict:

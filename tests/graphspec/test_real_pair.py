@@ -35,18 +35,23 @@ def baselines(models):
     return [plain.run(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("draft_kind, mapping", [("smollm2", "slem"), ("smollm2", "tli"), ("ngram", "auto")])
-def test_speculative_greedy_equals_autoregressive(models, baselines, draft_kind, mapping):
+@pytest.mark.parametrize("draft_kind, mapping, siblings", [
+    ("smollm2", "slem", 0), ("smollm2", "tli", 0), ("ngram", "auto", 0),
+    ("smollm2", "slem", 4), ("smollm2", "tli", 4),  # draft trees across tokenizers
+])
+def test_speculative_greedy_equals_autoregressive(models, baselines, draft_kind, mapping, siblings):
     target, draft_model = models
     draft = draft_model if draft_kind == "smollm2" else "ngram"
-    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=4, vocab_mapping=mapping)
-    proposed = 0
+    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=4, vocab_mapping=mapping, draft_siblings=siblings)
+    proposed = sibs = 0
     for prompt, base in zip(PROMPTS, baselines):
         out = spec.run(prompt, max_new_tokens=NEW_TOKENS)
         assert out.token_ids == base.token_ids, (draft_kind, mapping, prompt, out.text, base.text)
         assert out.text == base.text
         proposed += out.stats.proposed
+        sibs += out.stats.tree["siblings_proposed"] if siblings else 0
     assert proposed > 0
+    assert (sibs > 0) == bool(siblings)
     if draft_kind == "smollm2":
         assert spec.graph.names == ["draft", "map", "verify", "accept"]
         assert out.stats.vocab["intersection"] > 30000

@@ -162,7 +162,7 @@ def test_bad_sibling_arguments_are_refused(kw, match):
         graphspec.Pipeline(_target(), **kw)
 
 
-def test_auto_siblings_branch_same_vocabulary_model_drafts_only():
+def test_auto_siblings_branch_model_drafts_only():
     from graphspec.drafters import AUTO_DRAFT_SIBLINGS
 
     auto = graphspec.Pipeline(_target(), draft=_draft(), draft_siblings="auto")

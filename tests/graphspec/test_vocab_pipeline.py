@@ -249,6 +249,53 @@ def test_greedy_scripted_draft_is_accepted_and_stays_exact(models_, mode, wrong_
         assert checked >= 10
 
 
+# ----------------------------------------------------------------------------- draft trees across tokenizers
+
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+@pytest.mark.parametrize("pair", PAIRS, ids=["bytelevel-target", "metaspace-target"])
+def test_greedy_tree_equals_target_alone(models_, pair, mode):
+    target, draft = models_[pair[0]], models_[pair[1]]
+    # the default confidence threshold ends the random draft's chains early, leaving rows for siblings
+    spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, vocab_mapping=mode, draft_siblings=3)
+    proposed = 0
+    for prompt in PROMPTS:
+        out = spec.run(prompt, max_new_tokens=16, ignore_eos=True)
+        assert out.token_ids == _baseline(target, prompt, 16).token_ids, (mode, prompt)
+        proposed += out.stats.tree["siblings_proposed"]
+    assert proposed > 0
+
+
+def test_slem_tree_is_the_trie_of_its_texts(models_):
+    """retokenize_tree: the chain's target ids first, then each sibling's text merged into a trie of target ids."""
+    target, draft = models_["bl_target"], models_["ms_draft"]
+    spec = graphspec.Pipeline(target, draft=draft, vocab_mapping="slem", draft_siblings=3)
+    mapper, dt = spec.graph["map"], draft.tokenizer
+    committed = target.tokenizer.encode("def f(x):\n", add_special_tokens=False)
+    chain = dt.encode(" return x + 1", add_special_tokens=False)[:5]
+    alt = [dt.encode(w, add_special_tokens=False)[0] for w in (" yield", "pass", " x")]
+    own = chain + alt
+    parents = tuple(range(len(chain))) + (0, 2, 3)  # siblings beside chain tokens 0, 2 and 3
+    texts = [chain] + [chain[:d] + [a] for d, a in zip(parents[len(chain):], alt)]
+    seqs = [mapper.retokenize(committed, t, 32) for t in texts]
+    ids, tree = mapper.retokenize_tree(committed, own, parents, 32)
+    assert ids[:len(seqs[0])] == seqs[0] and tree[:len(seqs[0])] == tuple(range(len(seqs[0])))
+    paths = {tuple(q[:i]) for q in seqs for i in range(1, len(q) + 1)}
+    assert len(ids) == len(tree) == len(paths)  # one row per distinct prefix: shared prefixes are merged
+    assert len(ids) < sum(map(len, seqs))      # (and some were shared here)
+    spelled = set()
+    for row in range(1, len(ids) + 1):
+        path, r = [], row
+        while r:
+            path.append(ids[r - 1])
+            r = tree[r - 1]
+            assert r < row
+        spelled.add(tuple(reversed(path)))
+    assert spelled == paths  # every row is a prefix of some text, every prefix a row: children differ
+    limit = len(seqs[0]) + 1
+    short, short_tree = mapper.retokenize_tree(committed, own, parents, limit)
+    assert len(short) == len(short_tree) == limit and short[:-1] == seqs[0]
+
+
 def test_sync_keeps_the_draft_text_equal_to_the_committed_text(models_):
     """Fold random target tokens (specials, split UTF-8, ids without counterparts) into the draft's text."""
     target, draft = models_["bl_target"], models_["ms_draft"]
@@ -291,13 +338,15 @@ def test_modes_and_errors(models_, checkpoints, tmp_path):
     # same tokenizer: no map stage
     same = graphspec.Pipeline(target, draft=target, vocab_mapping="tli")
     assert "map" not in same.graph
-    # draft trees need a shared vocabulary: "auto" falls back to a chain here, an explicit count is refused
-    chain = graphspec.Pipeline(target, draft=draft, draft_siblings="auto")
-    assert "draft_parents" not in chain.graph["verify"].reads
-    with pytest.raises(ValueError, match="draft_siblings=2 needs a draft that shares the target's vocabulary"):
-        graphspec.Pipeline(target, draft=draft, draft_siblings=2)
-    tree = graphspec.Pipeline(target, draft=target, draft_siblings="auto")
-    assert "draft_parents" in tree.graph["verify"].reads
+    # draft trees across tokenizers: the map stage reads the draft's tree and writes the target's
+    tree = graphspec.Pipeline(target, draft=draft, draft_siblings=2)
+    assert "draft_own_parents" in tree.graph["map"].reads and "draft_parents" in tree.graph["map"].writes
+    assert "draft_parents" in tree.graph["verify"].reads and "draft_parents" in tree.graph["accept"].reads
+    chain = graphspec.Pipeline(target, draft=draft, draft_siblings=0)
+    assert "draft_parents" not in chain.graph["verify"].reads and "draft_parents" not in chain.graph["map"].writes
+    from graphspec.drafters import AUTO_DRAFT_SIBLINGS
+
+    assert graphspec.Pipeline(target, draft=draft, draft_siblings="auto").graph["draft"].siblings == AUTO_DRAFT_SIBLINGS
 
 
 def test_second_pipeline_loads_the_tables_from_the_cache(models_):
@@ -388,12 +437,42 @@ def test_tli_sampling_matches_the_target_distribution(params):
     assert 0.2 < rate < 0.95, rate  # both the accepting and the rejecting paths ran
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
+                         ids=["t1", "t0.7-top5"])
+def test_tli_tree_sampling_matches_the_target_distribution(params):
+    target, draft = _toy_pair()
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli", draft_siblings=2,
+                              draft_confidence_threshold=0.5)
+    pvalues, rate = _marginal_pvalues(pipe, params)
+    assert min(pvalues) > 1e-3, pvalues
+    assert 0.1 < rate < 0.95, rate
+
+
 def test_tli_sampling_test_detects_a_broken_map():
     target, draft = _toy_pair()
     pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2, vocab_mapping="tli")
     pipe.replace_stage("map", _UnnormalisedMap(pipe.graph["map"]))
     pvalues, _ = _marginal_pvalues(pipe, SamplingParams(temperature=1.0))
     assert min(pvalues) < 1e-6, pvalues
+
+
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+def test_greedy_tree_siblings_are_taken_and_the_output_stays_exact(mode):
+    """On the toy pair the draft's first choice is about never the target's but its next ones often are.
+
+    Siblings are accepted, the draft keeps its text and cache in step after the target took one (the
+    output would change, or acceptance collapse, if not), and fewer target forwards are needed.
+    """
+    target, draft = _toy_pair()
+    base = graphspec.Pipeline(target).run(PROMPT, max_new_tokens=60, ignore_eos=True)
+    out = {}
+    for siblings in (0, 2):
+        pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, vocab_mapping=mode,
+                                  draft_siblings=siblings)
+        out[siblings] = pipe.run(PROMPT, max_new_tokens=60, ignore_eos=True)
+        assert out[siblings].token_ids == base.token_ids
+    assert out[2].stats.tree["siblings_accepted"] >= 5, out[2].stats.tree
+    assert out[2].stats.steps < out[0].stats.steps
 
 
 def test_tli_same_seed_same_output_and_greedy_exact():
