@@ -54,9 +54,10 @@ def prefill(model, cache, tokens: list[int], device) -> None:
 
 # draft_siblings="auto": a model draft proposes up to this many siblings (prompt lookup: a chain).
 # Qwen2.5-Coder-0.5B int8 drafting for the 1.5B (bf16, 1 thread, K=5, 4 prompts x 128 tokens): 3.16 -> 3.41
-# tokens per target forward. In a process of its own it beat the chain in five paired runs (+1% to +9%); in
-# the full benchmark, beside transformers' models, it did not (1.78x vs 1.90x, 1.98x vs 2.00x): on that
-# CPU a fuller verify gives back much of the gain (perf/RESULTS.md). Rows are cheaper on a GPU.
+# tokens per target forward. In a process of its own it beat the chain in six paired runs (+1% to +9%); in
+# the full benchmark, beside transformers' models, it lost twice (1.78x vs 1.90x, 1.98x vs 2.00x) and then won
+# twice (2.06x vs 1.97x, 2.10x vs 2.03x): on that CPU a fuller verify gives back much of the gain
+# (perf/RESULTS.md). Rows are cheaper on a GPU.
 # SmolLM2-135M int8 across tokenizers (SLEM, K=4, 4 prompts x 64 tokens): 2.06 -> 2.17-2.19 tokens per
 # target forward, 1.58x -> 1.64-1.74x our autoregressive in two paired sweeps (perf/RESULTS.md).
 AUTO_DRAFT_SIBLINGS = 4
