@@ -300,7 +300,7 @@ def write_acceptance(report: dict) -> Path:
                     f"{TARGET}); tokens_per_target_forward = generated tokens / target verify forwards.")
     pairs = data.setdefault("pairs", {})
     for dname, res in report["dtypes"].items():
-        for method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "ngram"):
+        for method in (m for m in METHODS if m != "ar"):  # every speculative method
             r = res["graphspec"].get(method)
             old = pairs.get(f"{method}/{dname}", {})
             if r is None or old.get("prompts", 0) * old.get("max_new_tokens", 0) > (
