@@ -187,14 +187,14 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [..., D]`` by :func:`rope_tables`' ``cos, signed_sin`` (torch, no checks), in x's dtype.
 
-    The torch path of :func:`rope` for one tensor; a caller that already holds fp32 activations
-    (the int8 model's lean forward) rotates q and k together with one call.
+    The torch path of :func:`rope` for one tensor (``graphspec.models.lean_int8`` writes the same
+    two lines for q and k together).
     """
     # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1) written as
-    # cat(x2, x1) * cat(-s, s): the same products and sums as rope_ref, so the same bits (tested).
+    # cat(x2, x1) * cat(-s, s) = roll(x, D/2) * cat(-s, s): the same products and sums as rope_ref,
+    # so the same bits (tested), in three ops.
     xf = x.float()
-    swapped = xf.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
-    return (xf * cos + swapped * signed_sin).to(x.dtype)
+    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * signed_sin).to(x.dtype)
 
 
 def _rope_triton(q, k, positions, inv_freq, attention_scaling):

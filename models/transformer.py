@@ -23,8 +23,9 @@
   That GEMM takes and returns fp32, so an int8 model computes in fp32 between its GEMMs (norms,
   biases, KV cache; ``dtype`` is fp32) and no casts sit between ops. Its cached forwards (a draft
   runs one per proposed token) take ``_forward_int8``: the same math in about 15 torch ops a layer
-  instead of about 80 (SmolLM2-135M step 22 -> 16 ms on one core), because at these sizes the
-  per-op cost, not the weight bytes, is most of a draft step.
+  instead of about 80, run by TorchScript (``graphspec.models.lean_int8``) rather than the Python
+  interpreter (SmolLM2-135M step 22 -> 16 -> 11.5 ms on one core), because at these sizes the
+  per-op cost is a large part of a draft step.
 - Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
   Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
 - A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
@@ -42,10 +43,11 @@ from graphspec.kernels._dispatch import use_backend
 from graphspec.kernels.attention import attention, causal_mask
 from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.rmsnorm import rmsnorm
-from graphspec.kernels.rope import rope, rope_inv_freq, rope_rotate, rope_tables
+from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
 from graphspec.kernels.silu_mul import silu_mul
 from graphspec.models.config import ModelConfig
 from graphspec.models.kv_cache import KVCache
+from graphspec.models.lean_int8 import Int8Layers, scripted_forward
 
 
 @dataclasses.dataclass
@@ -278,39 +280,24 @@ class Transformer:
     lean_int8_forward = True
 
     def _forward_int8(self, ids, positions, cache, rows, head) -> torch.Tensor:
-        """A cached forward of an int8 model: ``_forward``'s math in fewer torch ops.
+        """A cached forward of an int8 model: ``_forward``'s math as one TorchScript call.
 
         Everything is fp32 and the GEMMs call the int8 op directly, so no op casts, checks shapes
         or picks a backend; rope rotates q and k in one call, and attention is one SDPA call over the
-        cache (masked when T > 1). Logits ``[B, n, V]`` fp32; tested against ``_forward``.
+        cache (masked when T > 1). The layers run in ``graphspec.models.lean_int8`` (TorchScript:
+        the same ops without the Python interpreter between them). Logits ``[B, n, V]`` fp32;
+        tested against ``_forward``.
         """
         c = self.config
-        b, t = ids.shape
-        hq, hk, d, hidden = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
-        qk_cols, eps = (hq + hk) * d, c.rms_norm_eps
-        gemm = torch.ops.quantized.linear_dynamic
+        t = ids.shape[1]
+        w = Int8Layers(self.layers, self.norm)  # made per call (tens of microseconds), so never stale
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
         mask = causal_mask(t, cache.length + t) if t > 1 else None  # a single query sees every cached key
         h = F.embedding(ids, self.embed).float()  # [B, T, H]
-        for i, layer in enumerate(self.layers):
-            qkv = gemm(F.rms_norm(h, (hidden,), layer.input_norm, eps), layer.wqkv.packed, False)
-            if layer.bqkv is not None:
-                qkv += layer.bqkv
-            qk = qkv[..., :qk_cols].view(b, t, hq + hk, d)
-            qk = rope_rotate(qk, cos, sin)
-            k, v = cache.append(i, qk[:, :, hq:], qkv[..., qk_cols:].view(b, t, hk, d))
-            o = F.scaled_dot_product_attention(qk[:, :, :hq].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask, scale=self.scale, enable_gqa=True)  # [B, Hq, T, D]
-            o = gemm(o.transpose(1, 2).reshape(b, t, hq * d), layer.wo.packed, False)
-            if layer.bo is not None:
-                o += layer.bo
-            h = h + o
-            gate_up = gemm(F.rms_norm(h, (hidden,), layer.post_norm, eps), layer.w13.packed, False)
-            inter = gate_up.shape[-1] // 2
-            h = h + gemm(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], layer.w2.packed, False)
-        if rows is not None:
-            h = h[:, rows]
-        return gemm(F.rms_norm(h, (hidden,), self.norm, eps), (self.lm_head if head is None else head).packed, False)
+        return scripted_forward()(
+            h, cos, sin, mask, cache.length, cache.k, cache.v, w.wqkv, w.bqkv, w.wo, w.bo, w.w13, w.w2,
+            w.input_norm, w.post_norm, w.norm, (self.lm_head if head is None else head).packed, rows,
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, self.scale)
 
     def _mlp(self, layer: Layer, x) -> torch.Tensor:
         gate, up = linear(x, layer.w13).chunk(2, dim=-1)

@@ -89,3 +89,17 @@ def test_lean_forward_with_positions_head_and_rows(model):
     torch.testing.assert_close(_steps(model, True, ids, head=head), full[..., keep], rtol=0, atol=ATOL)
     shifted = _steps(model, True, ids, positions=positions)
     assert (shifted - full).abs().max() > 1e-2  # positions reach rope: a test of them can fail
+
+
+def test_lean_forward_runs_as_torchscript(model, monkeypatch):
+    """The lean path's layers run in TorchScript (graphspec.models.lean_int8), not in Python."""
+    import graphspec.models.transformer as transformer
+
+    calls = []
+    scripted = transformer.scripted_forward()
+    assert isinstance(scripted, torch.jit.ScriptFunction)
+    monkeypatch.setattr(transformer, "scripted_forward", lambda: calls.append(1) or scripted)
+    cache = model.new_cache(16)
+    model.step(torch.tensor([[1, 2, 3]]), cache, logits_for="last")
+    model.step(torch.tensor([[4]]), cache, logits_for="last")
+    assert len(calls) == 2 and cache.length == 4
