@@ -75,14 +75,14 @@ def _nonneg_float(text: str) -> float:
 
 
 def _confidence(text: str):
-    if text.lower() == "none":
-        return None
+    if text.lower() in ("none", "auto"):
+        return None if text.lower() == "none" else "auto"
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1) or 'none', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), 'auto' or 'none', got {text!r}") from None
     if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1) or 'none', got {v}")
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), 'auto' or 'none', got {v}")
     return v
 
 
@@ -111,8 +111,9 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                         "chain left unused (model drafts, with either tokenizer; output unchanged); 0: a chain; "
                         "auto (the default) = 4 for a model draft")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
-                   help="a model draft stops proposing once it gives its own token less than P "
-                        "(default 0.4; 'none' always drafts K)")
+                   help="a model draft stops proposing once it gives its own token less than P; "
+                        "auto (the default): 0.4 for a draft with the target's tokenizer, 0.3 for one with another; "
+                        "'none' always drafts K")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -72,11 +72,12 @@ def check_siblings(value, allow_auto: bool = False) -> int | str:
     return value
 
 
-def check_confidence_threshold(value) -> float | None:
-    if value is None:
-        return None
+def check_confidence_threshold(value, allow_auto: bool = False) -> float | str | None:
+    if value is None or (allow_auto and value == "auto"):
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"draft_confidence_threshold must be None or a number in [0, 1), got {value!r}")
+        raise ValueError(f"draft_confidence_threshold must be None{', auto' if allow_auto else ''} or a number "
+                         f"in [0, 1), got {value!r}")
     return float(value) or None
 
 

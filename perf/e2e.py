@@ -198,7 +198,8 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
     ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m), draft_quantize, draft_vocab, draft_siblings)
                  for m in methods}
     info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET, None)]), "interleaved_with_transformers": together,
-            "draft_quantize": draft_quantize, "draft_vocab": draft_vocab, "draft_siblings": draft_siblings}
+            "draft_quantize": draft_quantize, "draft_vocab": draft_vocab, "draft_siblings": draft_siblings,
+            "draft_confidence_threshold": "auto"}  # Pipeline's default: 0.4 same tokenizer, 0.3 across
     hf_gens = {}
     if together:
         hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}

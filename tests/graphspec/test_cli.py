@@ -187,3 +187,15 @@ def test_cpu_threads_leave_busy_cores_alone(monkeypatch):
     monkeypatch.setattr(cli.os, "getloadavg", lambda: (7.0, 0.0, 0.0))
     assert cli.cpu_threads(None) == 1
     assert cli.cpu_threads(3) == 3          # --threads wins
+
+
+def test_draft_confidence_takes_auto_none_and_probabilities():
+    import argparse
+
+    from graphspec.cli import _confidence
+
+    assert _confidence("auto") == "auto" and _confidence("AUTO") == "auto"
+    assert _confidence("none") is None and _confidence("0.25") == 0.25
+    for bad in ("1.5", "-0.1", "often"):
+        with pytest.raises(argparse.ArgumentTypeError, match="'auto' or 'none'"):
+            _confidence(bad)

@@ -144,8 +144,8 @@ def test_bad_pipeline_arguments():
         graphspec.Pipeline(target, draft=ToyLM(V + 4, seed=1))
     with pytest.raises(ValueError, match="vocab_mapping='bogus' is not one of"):
         graphspec.Pipeline(target, draft=ToyLM(V, seed=1), vocab_mapping="bogus")
-    for bad in (1.0, -0.1, "0.5", True):
-        with pytest.raises(ValueError, match="draft_confidence_threshold must be None or a number in"):
+    for bad in (1.0, -0.1, "0.5", "Auto", True):
+        with pytest.raises(ValueError, match="draft_confidence_threshold must be None, auto or a number in"):
             graphspec.Pipeline(target, draft=ToyLM(V, seed=1), draft_confidence_threshold=bad)
     with pytest.raises(ValueError, match="acceptance must be"):
         graphspec.Pipeline(target, acceptance="typical")

@@ -347,6 +347,15 @@ def test_modes_and_errors(models_, checkpoints, tmp_path):
     from graphspec.drafters import AUTO_DRAFT_SIBLINGS
 
     assert graphspec.Pipeline(target, draft=draft, draft_siblings="auto").graph["draft"].siblings == AUTO_DRAFT_SIBLINGS
+    # the confidence threshold: "auto" (the default) is 0.3 across tokenizers and 0.4 with one tokenizer
+    from graphspec.pipeline import CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD, DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
+
+    assert (CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD, DEFAULT_DRAFT_CONFIDENCE_THRESHOLD) == (0.3, 0.4)
+    assert graphspec.Pipeline(target, draft=draft).graph["draft"].confidence_threshold == 0.3
+    assert graphspec.Pipeline(target, draft=target).graph["draft"].confidence_threshold == 0.4
+    for given in (None, 0.6):
+        assert graphspec.Pipeline(target, draft=draft, draft_confidence_threshold=given).graph[
+            "draft"].confidence_threshold == given
 
 
 def test_second_pipeline_loads_the_tables_from_the_cache(models_):
@@ -467,8 +476,9 @@ def test_greedy_tree_siblings_are_taken_and_the_output_stays_exact(mode):
     base = graphspec.Pipeline(target).run(PROMPT, max_new_tokens=60, ignore_eos=True)
     out = {}
     for siblings in (0, 2):
+        # at 0.4 the unsure toy draft stops its chain early, which leaves rows for siblings
         pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, vocab_mapping=mode,
-                                  draft_siblings=siblings)
+                                  draft_siblings=siblings, draft_confidence_threshold=0.4)
         out[siblings] = pipe.run(PROMPT, max_new_tokens=60, ignore_eos=True)
         assert out[siblings].token_ids == base.token_ids
     assert out[2].stats.tree["siblings_accepted"] >= 5, out[2].stats.tree
