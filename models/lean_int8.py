@@ -1,17 +1,18 @@
 """The cached forward of an int8 model (a draft on the CPU) as one TorchScript function.
 
-Why: a draft step of a small model is mostly per-op cost, not weight bytes. SmolLM2-135M in int8
-reads about 134 MB a token (about 5 ms at this machine's bandwidth) but took 16.4 ms a forward
-in eager PyTorch on one core: its 30 layers run about 20 Python-level torch calls each, and each
-costs microseconds of interpreter and dispatch work on top of its arithmetic. TorchScript runs
-the same ops from its C++ interpreter: the same kernels, the same order, the same bits (tested:
-``tests/models/test_int8_forward.py``), in 11.5-12 ms (perf/RESULTS.md). torch.compile cannot
+Why: a small model's draft step was largely per-op cost. SmolLM2-135M in int8 reads about 134 MB
+a token (its int8 GEMMs take about 8.4 ms of that on one core) but took 16.4 ms a forward in eager
+PyTorch: its 30 layers run about 20 Python-level torch calls each, and each costs microseconds of
+interpreter and dispatch work on top of its arithmetic. TorchScript runs the same ops from its C++
+interpreter: the same kernels, the same order, the same bits (tested:
+``tests/models/test_int8_forward.py``), in 11.3-12.5 ms (perf/RESULTS.md). torch.compile cannot
 take this path: dynamo cannot trace the int8 GEMM's packed-weight object (a TorchScript class),
 and routing the GEMM through a Python custom op costs more than fusion saves (measured).
 
-``Transformer._forward_int8`` prepares the per-layer lists once per model (``Int8Layers``) and
-calls :func:`lean_int8_forward`, which scripts :func:`_forward` on first use (well under a second).
-No annotations from ``__future__`` here: TorchScript reads these annotations as written.
+``Transformer._forward_int8`` gathers the per-layer lists (``Int8Layers``) on each call and calls
+:func:`scripted_forward`'s function, scripted on first use (well under a second) and then shared by
+every int8 model in the process. No annotations from ``__future__`` here: TorchScript reads these
+annotations as written.
 """
 
 import functools
