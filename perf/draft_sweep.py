@@ -27,11 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from graphspec.cli import _confidence  # noqa: E402  (the CLI's --draft-confidence parser: P, auto or none)
 from perf._common import CROSS_DRAFT, DRAFT, TARGET, load_prompts, machine_info  # noqa: E402
-
-
-def _threshold(text: str) -> float | str | None:
-    return {"none": None, "auto": "auto"}.get(text.lower()) if text.lower() in ("none", "auto") else float(text)
 
 
 def main(argv=None) -> int:
@@ -43,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 16384], help="draft_vocab values to try")
     ap.add_argument("--draft-k", type=int, nargs="+", default=[5], help=f"K values for {DRAFT}")
     ap.add_argument("--cross-k", type=int, nargs="+", default=[4], help=f"K values for {CROSS_DRAFT}")
-    ap.add_argument("--thresholds", type=_threshold, nargs="+", default=["auto"],
+    ap.add_argument("--thresholds", type=_confidence, nargs="+", default=["auto"],
                     help="draft confidence thresholds to try ('none' drafts K every step); default: 'auto', the "
                          "library's (0.4 with the target's tokenizer, 0.3 with another)")
     ap.add_argument("--siblings", type=int, nargs="+", default=[0],

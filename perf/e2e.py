@@ -43,6 +43,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # pairs as plain chains, so one run compares the two.
 METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "ngram")
 HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
+# Every model draft's early-stop threshold, passed to Pipeline and recorded in the JSON (as the CLI: 0.4 for a
+# draft with the target's tokenizer, 0.3 for one with another).
+DRAFT_CONFIDENCE = "auto"
 # Which transformers run each graphspec method is compared with.
 HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_0.5b_chain": "hf_assist_0.5b",
            "spec_smollm2": "hf_assist_smollm2", "spec_smollm2_chain": "hf_assist_smollm2", "ngram": "hf_ar"}
@@ -123,7 +126,8 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
     elif method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain"):
         name = DRAFT if method.startswith("spec_0.5b") else CROSS_DRAFT
         pipe = graphspec.Pipeline(target, draft=model(name, draft_quantize), num_speculative_tokens=k,
-                                  draft_vocab=draft_vocab, draft_siblings=0 if method.endswith("_chain") else draft_siblings)
+                                  draft_vocab=draft_vocab, draft_siblings=0 if method.endswith("_chain") else draft_siblings,
+                                  draft_confidence_threshold=DRAFT_CONFIDENCE)
     elif method == "ngram":
         pipe = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k)
     else:
@@ -199,7 +203,7 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
                  for m in methods}
     info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET, None)]), "interleaved_with_transformers": together,
             "draft_quantize": draft_quantize, "draft_vocab": draft_vocab, "draft_siblings": draft_siblings,
-            "draft_confidence_threshold": "auto"}  # Pipeline's default: 0.4 same tokenizer, 0.3 across
+            "draft_confidence_threshold": DRAFT_CONFIDENCE}
     hf_gens = {}
     if together:
         hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}
