@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from graphspec.graph import Stage
+from graphspec.kernels import batched_rows
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
 __all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "DraftHead", "ModelDrafter", "NgramDrafter", "draw_siblings",
@@ -46,10 +47,15 @@ def _empty_draft(state) -> None:
 
 
 def prefill(model, cache, tokens: list[int], device) -> None:
-    """Feed ``tokens`` into ``cache`` without computing any logits (no final norm / lm_head)."""
+    """Feed ``tokens`` into ``cache`` without computing any logits (no final norm / lm_head).
+
+    Batched (``graphspec.kernels.batched_rows``): a prefill's rows are never compared with one-token
+    steps, since the target is prefilled the same way with a draft and without one.
+    """
     if tokens:
         ids = torch.tensor([tokens], dtype=torch.int64, device=device)
-        model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
+        with batched_rows():
+            model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
 
 
 # draft_siblings="auto": a model draft proposes up to this many siblings (prompt lookup: a chain).

@@ -33,7 +33,7 @@ from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAccept
 from graphspec.drafters import (AUTO_DRAFT_SIBLINGS, ModelDrafter, NgramDrafter, check_confidence_threshold,
                                 check_siblings)
 from graphspec.graph import Graph, Stage
-from graphspec.kernels import use_backend
+from graphspec.kernels import EXACT_ROWS_MAX, use_backend
 from graphspec.state import RunInfo, SamplingParams, State
 from graphspec.stats import GenerationStats
 from graphspec.verify import TreeVerify, Verify
@@ -44,6 +44,9 @@ STEP_INPUTS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 STEP_OUTPUTS = ("emitted",)
 _NO_DRAFT_INPUTS = ("draft_ids", "draft_probs")
 VOCAB_MAPPING_MODES = ("auto", "tli", "slem", "none")
+# A verify block (the pending token and K drafts) stays within the rows the CPU kernels compute exactly as
+# one-token steps (graphspec.kernels.EXACT_ROWS_MAX), which is also the widest tree mask.
+MAX_SPECULATIVE_TOKENS = EXACT_ROWS_MAX - 1
 # A model draft stops proposing once it gives its own token less than this probability (see the README
 # for the measurements behind the values); None drafts all K every step. draft_confidence_threshold="auto"
 # takes the first for a draft that shares the target's tokenizer and the second for one that does not:
@@ -231,6 +234,11 @@ class Pipeline:
                  draft_confidence_threshold: float | str | None = "auto",
                  draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int | str = 0):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
+        if num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} makes a verify block of "
+                             f"{num_speculative_tokens + 1} rows, beyond the {EXACT_ROWS_MAX} up to which each row "
+                             f"is computed exactly as a one-token step (and the widest tree attention takes); "
+                             f"use at most {MAX_SPECULATIVE_TOKENS}")
         siblings = check_siblings(draft_siblings, allow_auto=True)
         threshold = check_confidence_threshold(draft_confidence_threshold, allow_auto=True)
         if vocab_mapping not in VOCAB_MAPPING_MODES:

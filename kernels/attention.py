@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, use_triton
+from graphspec.kernels._dispatch import EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, rows_exact, use_triton
 
 __all__ = ["attention", "attention_ref", "ancestor_mask"]
 
@@ -173,7 +173,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if use_triton(q):
         return _attention_triton(q, k, v, scale, tree=tree)
     T = q.shape[1]
-    if 1 < T <= _ROWWISE_MAX_T:
+    if 1 < T <= _ROWWISE_MAX_T and rows_exact():
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16
         # greedy speculative output drifts from autoregressive: torch's CPU SDPA rounds a row differently
         # depending on how many rows it is given (measured: ~9% of bf16 rows). So each row runs as its own
@@ -184,8 +184,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return attention_ref(q, k, v, scale, tree)
 
 
-# Verify-sized blocks (K + 1 rows) take the row-by-row CPU path above; prefill keeps one batched call.
-_ROWWISE_MAX_T = 16
+# Verify-sized blocks (K + 1 rows, a draft tree; up to EXACT_ROWS_MAX) take the row-by-row CPU path above;
+# longer blocks, and any inside batched_rows() (prefills), keep one batched call.
+_ROWWISE_MAX_T = EXACT_ROWS_MAX
 
 
 def _rowwise(q, k, v, scale, tree=None) -> torch.Tensor:

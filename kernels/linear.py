@@ -22,7 +22,9 @@
   blocked, pre-packed fp32 weight makes 5..8 rows cost about one row (a speculative verify
   then costs about one decode step), and bf16 decode GEMMs gain 1.2-1.5x. ``prepare_weight`` is a no-op on CUDA
   and wherever Triton is requested. Products of fewer than ``MIN_ROWS`` rows on packed weights run
-  as that many: faster, and a row comes out bit-identical inside a verify and alone (see there).
+  as that many, and products of up to ``INVARIANT_MAX_ROWS`` rows run in blocks of the row counts
+  measured to round each row as one row does: so a row comes out bit-identical inside a verify and
+  alone (see both), and a prefill inside ``batched_rows()`` runs in one product.
 - Draft models on a CPU may use ``quantize_weight`` instead: int8 weights (``Int8Weight``) run by
   torch's int8 GEMM, half the bytes of bf16; approximate, so for drafts only.
 """
@@ -38,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, interpreter_enabled, use_triton
+from graphspec.kernels._dispatch import (EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, interpreter_enabled, rows_exact,
+                                        use_triton)
 
 __all__ = ["Int8Weight", "PackedWeight", "linear", "linear_ref", "prepare_weight", "quantize_weight"]
 
@@ -314,13 +317,14 @@ class PackedWeight:
     rebuilds it (a copy, for tests and for the rare caller that needs plain values).
     """
 
-    __slots__ = ("packed", "shape", "dtype", "device")
+    __slots__ = ("packed", "shape", "dtype", "device", "rows_hint")
 
-    def __init__(self, packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
+    def __init__(self, packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, rows_hint: int = 1):
         self.packed = packed  # opaque mkldnn tensor
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.device = torch.device("cpu")
+        self.rows_hint = rows_hint  # the blocking oneDNN chose from (part of what picks its kernels)
 
     @property
     def ndim(self) -> int:
@@ -368,7 +372,7 @@ def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None):
     if isinstance(rows_hint, bool) or not isinstance(rows_hint, int) or rows_hint < 1:
         raise ValueError(f"rows_hint={rows_hint!r}; expected a positive int (rows per call)")
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
-    return PackedWeight(packed, weight.shape, weight.dtype)
+    return PackedWeight(packed, weight.shape, weight.dtype, rows_hint)
 
 
 def _linear_packed(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -379,10 +383,22 @@ def _linear_packed(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | N
     # oneDNN reads the bias as contiguous whatever its strides (measured: wrong values otherwise).
     b = bias.contiguous() if bias is not None else None
     m = x2.shape[0]
+    if MIN_ROWS < m <= INVARIANT_MAX_ROWS and rows_exact():
+        c = _consistent_rows(weight)
+        if m > c:  # split into equal blocks of at most c rows: see INVARIANT_MAX_ROWS
+            n_blocks = -(-m // c)
+            size = -(-m // n_blocks)
+            y = torch.cat([_pointwise(x2[i:i + size], weight, b) for i in range(0, m, size)])
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _pointwise(x2, weight, b).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _pointwise(x2: torch.Tensor, weight: PackedWeight, b: torch.Tensor | None) -> torch.Tensor:
+    """One oneDNN product ``x2 [m, K] @ W^T``; fewer than MIN_ROWS rows run as MIN_ROWS (the last one repeated)."""
+    m, k = x2.shape
     if m < MIN_ROWS:  # repeat the last row: see MIN_ROWS
         x2 = x2.expand(MIN_ROWS, k) if m == 1 else torch.cat([x2, x2[-1:].expand(MIN_ROWS - m, k)])
-    y = torch.ops.mkldnn._linear_pointwise(x2, weight.packed, b, "none", [], "")[:m]
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x2, weight.packed, b, "none", [], "")[:m]
 
 
 MIN_ROWS = 4
@@ -394,6 +410,45 @@ a speculative verify runs K+1 rows and a decode step one, so without this a bf16
 speculative output drifts from autoregressive. Speed: its 1-, 2- and 3-row kernels read the weight
 slower than its 4-row one (Qwen2.5-1.5B bf16 step, 1 thread: one row 235 -> 205 ms; two rows
 250 ms vs four 168 ms; fp32 one row 461 -> 372 ms). 1 turns it off (perf/cpu_step.py --min-rows)."""
+
+INVARIANT_MAX_ROWS = EXACT_ROWS_MAX
+"""Products of up to this many rows on a packed weight give every row exactly the bits of its one-row
+product, whatever the row count (0 turns this off). oneDNN picks its kernel, and with it the order
+of the sums, from the row count as well as the shape and the thread count, and where that changes
+is a property of the CPU: on the AVX-512 AMD machines 2..16 rows agreed for every weight tried; on
+the AMX Xeon machines a bf16 [1536, 8960] down projection (Qwen2.5-1.5B) rounds rows differently
+from 12 rows up with 2 threads (28 with 1), a [4096, 11008] one from 8 rows up, and a K=11 verify
+(12 rows) then gave other greedy tokens than decoding one token at a time on 3 prompts of 4
+(perf/RESULTS.md). So the row counts that agree are measured, once per weight shape, dtype, layout
+and thread count (``_consistent_rows``), and a longer product of up to this many rows (a verify
+block; a short prompt) runs as equal blocks within them: exact, and reading the weight once per
+block. Longer products, and any inside ``batched_rows()`` (prefills), run whole: their rows are never
+compared with single steps (``graphspec.kernels._dispatch.EXACT_ROWS_MAX``)."""
+
+_PROBE_ROWS = 16  # the row counts probed: MIN_ROWS..16
+_consistent: dict[tuple, int] = {}
+
+
+def _consistent_rows(weight: PackedWeight) -> int:
+    """The largest c <= _PROBE_ROWS such that every product of MIN_ROWS..c rows on ``weight`` rounds each
+    row as its one-row product does (at least MIN_ROWS, where one row runs by construction).
+
+    Measured on random inputs the first time a (shape, dtype, layout, threads) is seen, from the weight
+    itself (the kernel depends on those, never on the values): about 28 products, once per process.
+    """
+    key = (tuple(weight.shape), weight.dtype, weight.rows_hint, torch.get_num_threads(), MIN_ROWS)
+    c = _consistent.get(key)
+    if c is None:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=g).to(weight.dtype)
+        alone = torch.cat([_pointwise(x[j:j + 1], weight, None) for j in range(_PROBE_ROWS)])
+        c = max(MIN_ROWS, 1)
+        for m in range(c + 1, _PROBE_ROWS + 1):
+            if not torch.equal(_pointwise(x[:m], weight, None), alone[:m]):
+                break
+            c = m
+        _consistent[key] = c
+    return c
 
 
 class Int8Weight:

@@ -138,6 +138,9 @@ def test_bad_pipeline_arguments():
     target = ToyLM(V, seed=0)
     with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
         graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens=64 makes a verify block of 65 rows.*use at most 63"):
+        graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=64)
+    assert graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=63).num_speculative_tokens == 63
     with pytest.raises(ValueError, match="draft is on meta but target is on cpu"):
         graphspec.Pipeline(target, draft=ToyLM(V, seed=1, device="meta"))
     with pytest.raises(ValueError, match="different vocabularies"):

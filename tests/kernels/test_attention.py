@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from graphspec.kernels import attention, attention_ref, use_backend
-from graphspec.kernels.attention import _attention_triton, ancestor_mask
+from graphspec.kernels import attention, attention_ref, batched_rows, use_backend
+from graphspec.kernels.attention import _ROWWISE_MAX_T, _attention_triton, ancestor_mask
 from tests.kernels._compare import assert_close
 from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
@@ -225,7 +225,7 @@ def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype):
     g = torch.Generator().manual_seed(0)
     mismatches = []
     for trial in range(10):
-        T = (2, 3, 5, 8, 11, 16, 9, 4, 20, 33)[trial]  # the last two exceed the row-by-row size: masked reference
+        T = (2, 3, 5, 8, 11, 16, 9, 4, 20, 66)[trial]  # the last exceeds the row-by-row size: masked reference
         L = T + 7 * trial + (trial % 3)
         D = 80 if trial % 2 else 64
         q = torch.randn(2, T, 9, D, generator=g, device="cpu").to(dtype)
@@ -239,7 +239,7 @@ def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype):
             causal = attention(q, k, v)
         if not torch.equal(chain, causal):
             mismatches.append(f"T={T}: causal tree != tree=None")
-        if T > 16:
+        if T > _ROWWISE_MAX_T:
             if not torch.equal(full, attention_ref(q, k, v, tree=tree)):
                 mismatches.append(f"T={T}: not the masked reference")
             continue
@@ -397,3 +397,25 @@ def test_cpu_verify_rows_equal_one_token_steps_bitwise(dtype):
             one = attention(q[:, j:j + 1], k[:, :L - T + 1 + j], v[:, :L - T + 1 + j])
             mismatches += not torch.equal(one, full[:, j:j + 1])
     assert mismatches == 0
+
+
+def test_batched_rows_runs_a_block_as_one_call(monkeypatch):
+    """Inside batched_rows() (a prefill) a verify-sized block is one batched call, not row by row."""
+    import importlib
+
+    attn_mod = importlib.import_module("graphspec.kernels.attention")
+    rowwise = []
+    real = attn_mod._rowwise
+    monkeypatch.setattr(attn_mod, "_rowwise", lambda *a, **kw: rowwise.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 12, 4, 64, generator=g)
+    k = torch.randn(1, 30, 2, 64, generator=g)
+    v = torch.randn(1, 30, 2, 64, generator=g)
+    with use_backend("torch"):
+        exact = attention(q, k, v)
+        assert rowwise == [1]
+        with batched_rows():
+            batched = attention(q, k, v)
+    assert rowwise == [1]
+    assert torch.equal(batched, attention_ref(q, k, v))
+    assert_close(exact, batched, *TOL[torch.float32], name="row-exact vs batched")

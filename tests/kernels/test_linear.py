@@ -5,7 +5,7 @@ import importlib
 import pytest
 import torch
 
-from graphspec.kernels import use_backend
+from graphspec.kernels import batched_rows, use_backend
 from graphspec.kernels.linear import (SKINNY_MAX_M, Int8Weight, PackedWeight, _can_pack, _choose_split_k,
                                       _linear_triton, linear, linear_ref, prepare_weight, quantize_weight)
 from tests.kernels._compare import assert_close
@@ -196,30 +196,72 @@ def test_every_rows_hint_gives_the_same_product(rows_hint):
 
 
 @needs_pack
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", PACK_DTYPES)
-def test_packed_rows_are_bit_identical_whatever_the_row_count(dtype, monkeypatch):
-    """Row i of an M-row product equals the one-row product of that row, for M = 1..16.
+def test_packed_rows_are_bit_identical_whatever_the_row_count(dtype, threads, monkeypatch):
+    """Row i of an M-row product equals the one-row product of that row, for M = 1..24.
 
     A decode step multiplies one row, a speculative verify K+1: greedy speculative output can only
-    equal autoregressive output bit for bit if those agree. oneDNN runs one row on another kernel
-    for some weights (the long-K [896, 4864] one among them on the AVX-512 machines), so ``linear``
-    pads products of fewer than MIN_ROWS rows to MIN_ROWS (1 turns that off).
+    equal autoregressive output bit for bit if those agree. oneDNN picks another kernel (and another
+    order of the sums) by row count: one row on another kernel for some weights (the long-K [896, 4864]
+    one on the AVX-512 AMD machines), 8+ or 12+ rows on others (a bf16 [4096, 11008] / [1536, 8960]
+    on the AMX Xeon machines, by thread count). ``linear`` pads products of fewer than MIN_ROWS rows
+    and splits those longer than the measured consistent row count (INVARIANT_MAX_ROWS); with both
+    off (MIN_ROWS=1, INVARIANT_MAX_ROWS=0) the mismatches appear wherever this CPU has them.
     """
-    g = torch.Generator().manual_seed(0)
-    mismatches, default = {}, linear_mod.MIN_ROWS
-    for pad in (default, 1):
-        monkeypatch.setattr(linear_mod, "MIN_ROWS", pad)
-        mismatches[pad] = 0
-        for n, k in ((896, 4864), (4000, 600), (77, 130)):
-            w = prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
-            x = torch.randn(16, k, generator=g).to(dtype)
-            full = linear(x, w)
-            for m in range(1, 17):
-                part = linear(x[:m], w)
-                mismatches[pad] += sum(not torch.equal(part[i], full[i]) for i in range(m))
-    assert mismatches[default] == 0
-    if mismatches[1] == 0:
-        pytest.skip("this CPU's oneDNN rounds one row like several: the padding is not needed here")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        weights = [prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
+                   for n, k in ((896, 4864), (4000, 600), (77, 130), (1536, 8960), (4096, 11008))]
+        xs = [torch.randn(24, w.shape[1], generator=g).to(dtype) for w in weights]
+        mismatches = {}
+        for setting in ("default", "off"):
+            if setting == "off":
+                monkeypatch.setattr(linear_mod, "MIN_ROWS", 1)
+                monkeypatch.setattr(linear_mod, "INVARIANT_MAX_ROWS", 0)
+            mismatches[setting] = []
+            for w, x in zip(weights, xs):
+                alone = [linear(x[i:i + 1], w)[0] for i in range(x.shape[0])]
+                for m in range(2, x.shape[0] + 1):
+                    part = linear(x[:m], w)
+                    mismatches[setting] += [(tuple(w.shape), m, i) for i in range(m)
+                                            if not torch.equal(part[i], alone[i])]
+    finally:
+        torch.set_num_threads(old_threads)
+    assert mismatches["default"] == [], mismatches["default"][:10]
+    if not mismatches["off"]:
+        pytest.skip("this CPU's oneDNN rounds every row count alike here: padding and splitting are not needed")
+
+
+@needs_pack
+def test_long_products_split_only_where_rows_disagree(monkeypatch):
+    """Products of MIN_ROWS < M <= INVARIANT_MAX_ROWS rows run in blocks of at most the consistent row count
+    (values as the one-call product's, close, not equal, where the kernels differ); longer ones, and any
+    inside batched_rows(), run whole."""
+    calls = []
+    real = linear_mod._pointwise
+    monkeypatch.setattr(linear_mod, "_pointwise", lambda x2, w, b: calls.append(x2.shape[0]) or real(x2, w, b))
+    x, w, b = _inputs(40, 96, 33, torch.float32)
+    pw = prepare_weight(w)
+    c = linear_mod._consistent_rows(pw)  # measured (and cached) before the calls are counted
+    monkeypatch.setitem(linear_mod._consistent, next(k for k in linear_mod._consistent if k[0] == (33, 96)), 5)
+    calls.clear()
+    y = linear(x[:12], pw, b)
+    assert calls == [4, 4, 4]  # 12 rows in three blocks of at most 5
+    assert_close(y, linear_ref(x[:12], w, b), *TOL[torch.float32], name="split product")
+    calls.clear()
+    linear(x[:5], pw, b)
+    assert calls == [5]
+    calls.clear()
+    with batched_rows():  # a prefill: one product whatever the rows
+        linear(x[:12], pw, b)
+    assert calls == [12]
+    monkeypatch.setattr(linear_mod, "INVARIANT_MAX_ROWS", 16)
+    calls.clear()
+    linear(x, pw, b)  # 40 rows: beyond INVARIANT_MAX_ROWS, one product
+    assert calls == [40] and c >= linear_mod.MIN_ROWS
 
 
 INT8_REL = 0.03  # per-row int8 weights and per-call 8-bit activations: ~1% relative error, bounded at 3%

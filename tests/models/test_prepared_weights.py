@@ -63,29 +63,41 @@ def wide_ckpt(tmp_path_factory):
                            intermediate_size=4864, layers=1, heads=14, kv_heads=2)
 
 
+@pytest.fixture(scope="module")
+def mlp_1_5b_ckpt(tmp_path_factory):
+    # Qwen2.5-1.5B's MLP shapes (a [1536, 8960] down projection), which oneDNN rounds differently from 12 rows
+    # up on the AMX Xeon machines unless linear splits the product (INVARIANT_MAX_ROWS).
+    return make_checkpoint(tmp_path_factory.mktemp("wide15"), "qwen2", tokenizer=None, hidden_size=1536,
+                           intermediate_size=8960, layers=1, heads=12, kv_heads=2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_rows_are_bit_identical_to_single_steps(wide_ckpt, dtype, monkeypatch):
+@pytest.mark.parametrize("which, rows", [("wide_ckpt", 6), ("mlp_1_5b_ckpt", 12), ("mlp_1_5b_ckpt", 20)])
+def test_verify_rows_are_bit_identical_to_single_steps(which, rows, dtype, monkeypatch, request):
     """Each row of a K+1-token verify equals the one-token step at that position, bit for bit.
 
     This is what makes greedy speculative output equal autoregressive output in bf16 too
-    (kernels.linear.MIN_ROWS; the CPU attention path runs verify rows one by one).
+    (kernels.linear.MIN_ROWS and INVARIANT_MAX_ROWS; the CPU attention path runs verify rows one by one).
+    With both turned off the rows differ wherever this CPU's oneDNN rounds by row count.
     """
     import importlib
 
     linear_mod = importlib.import_module("graphspec.kernels.linear")
-    m = load_model(wide_ckpt, dtype=dtype)
+    m = load_model(request.getfixturevalue(which), dtype=dtype)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, m.config.vocab_size, (1, 9), generator=g)
-    block = torch.randint(0, m.config.vocab_size, (1, 6), generator=g)
-    differing, default = {}, linear_mod.MIN_ROWS
-    for pad in (default, 1):
-        monkeypatch.setattr(linear_mod, "MIN_ROWS", pad)
+    block = torch.randint(0, m.config.vocab_size, (1, rows), generator=g)
+    differing = {}
+    for setting in ("default", "off"):
+        if setting == "off":
+            monkeypatch.setattr(linear_mod, "MIN_ROWS", 1)
+            monkeypatch.setattr(linear_mod, "INVARIANT_MAX_ROWS", 0)
         cache = m.new_cache(64)
         m.step(prompt, cache, logits_for=torch.empty(0, dtype=torch.long))
         steps = torch.cat([m.step(block[:, j:j + 1], cache) for j in range(block.shape[1])], dim=1)
         cache.truncate(prompt.shape[1])
         verify = m.step(block, cache)
-        differing[pad] = sum(not torch.equal(steps[0, j], verify[0, j]) for j in range(block.shape[1]))
-    assert differing[default] == 0, differing
-    if differing[1] == 0:
+        differing[setting] = [j for j in range(block.shape[1]) if not torch.equal(steps[0, j], verify[0, j])]
+    assert differing["default"] == [], differing
+    if not differing["off"]:
         pytest.skip("one-row and several-row products round alike on this CPU: nothing to show")
