@@ -319,7 +319,7 @@ class PackedWeight:
 
     __slots__ = ("packed", "shape", "dtype", "device", "rows_hint")
 
-    def __init__(self, packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, rows_hint: int = 1):
+    def __init__(self, packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, rows_hint: int):
         self.packed = packed  # opaque mkldnn tensor
         self.shape = torch.Size(shape)
         self.dtype = dtype
@@ -383,14 +383,14 @@ def _linear_packed(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | N
     # oneDNN reads the bias as contiguous whatever its strides (measured: wrong values otherwise).
     b = bias.contiguous() if bias is not None else None
     m = x2.shape[0]
-    if MIN_ROWS < m <= INVARIANT_MAX_ROWS and rows_exact():
-        c = _consistent_rows(weight)
-        if m > c:  # split into equal blocks of at most c rows: see INVARIANT_MAX_ROWS
-            n_blocks = -(-m // c)
-            size = -(-m // n_blocks)
-            y = torch.cat([_pointwise(x2[i:i + size], weight, b) for i in range(0, m, size)])
-            return y.reshape(*x.shape[:-1], weight.shape[0])
-    return _pointwise(x2, weight, b).reshape(*x.shape[:-1], weight.shape[0])
+    c = _consistent_rows(weight) if MIN_ROWS < m <= INVARIANT_MAX_ROWS and rows_exact() else m
+    if m > c:  # split into equal blocks of at most c rows: see INVARIANT_MAX_ROWS
+        n_blocks = -(-m // c)
+        size = -(-m // n_blocks)
+        y = torch.cat([_pointwise(x2[i:i + size], weight, b) for i in range(0, m, size)])
+    else:
+        y = _pointwise(x2, weight, b)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _pointwise(x2: torch.Tensor, weight: PackedWeight, b: torch.Tensor | None) -> torch.Tensor:
