@@ -299,7 +299,8 @@ def _causal(T, at=()):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("tree,match", [
     (_causal(3).long(), "torch.bool"),
-    (torch.ones(3, 4, dtype=torch.bool, device="cpu"), r"shape \(3, 4\) .* must be \(3, 3\)"),
+    (torch.ones(3, 9, dtype=torch.bool, device="cpu"), r"shape \(3, 9\) .* must be \(3, 3\)"),
+    (torch.ones(2, 3, dtype=torch.bool, device="cpu"), r"shape \(2, 3\) .* must be \(3, 3\)"),
     (torch.ones(3, dtype=torch.bool, device="cpu"), r"shape \(3,\)"),
     ([[True]], "torch.Tensor"),
     (_causal(3, at=[(0, 2, True)]), r"tree\[0, 2\] is True above the diagonal"),
@@ -309,6 +310,54 @@ def _causal(T, at=()):
 def test_tree_errors_say_what_to_fix(tree, match, backend):
     with pytest.raises(ValueError, match=match):
         _tree_call(backend, 3, tree)
+
+
+def _wide_tree(T, m, g):
+    """A ``[T, m]`` mask as a beam draft passes it: m - T cached tree nodes, then T new ones, each new row
+    seeing a random set of the cached nodes and earlier new ones, and itself."""
+    tree = torch.rand(T, m, generator=g) < 0.5
+    for i in range(T):
+        tree[i, m - T + i] = True
+        tree[i, m - T + i + 1:] = False
+    return tree
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,m,L", [(1, 4, 9), (3, 7, 13), (5, 5, 11), (2, 11, 11)])
+def test_wide_tree_rows_see_exactly_their_keys(T, m, L, dtype):
+    """tree [T, m]: row i sees the L - m keys before the tree and key L - m + j iff tree[i, j] (a beam's level)."""
+    g = torch.Generator().manual_seed(T * 100 + m)
+    q, k, v = _inputs(2, T, L, 6, 2, 64, dtype)
+    tree = _wide_tree(T, m, g)
+    with use_backend("torch"):
+        out = attention(q, k, v, tree=tree)
+    assert out.dtype == dtype and out.shape == q.shape
+    atol, rtol = (2e-6, 1e-5) if dtype == torch.float32 else TOL[dtype]
+    for i in range(T):
+        idx = torch.tensor([*range(L - m), *(L - m + j for j in range(m) if tree[i, j])])
+        expected = _naive(q[:, i:i + 1], k[:, idx], v[:, idx], 64 ** -0.5)
+        assert_close(out[:, i:i + 1], expected, atol, rtol, name=f"wide tree row {i} over keys {idx.tolist()}")
+
+
+@pytest.mark.parametrize("tree,match", [
+    (torch.ones(2, 5, dtype=torch.bool), r"tree\[0, 4\] is True above the diagonal"),
+    (torch.tensor([[1, 0, 1, 1, 0], [1, 1, 0, 1, 0]], dtype=torch.bool), r"tree\[1, 4\] is False"),
+])
+def test_wide_tree_errors(tree, match):
+    with pytest.raises(ValueError, match=match):
+        _tree_call("torch", 2, tree)
+
+
+def test_wide_tree_is_cpu_torch_only():
+    tree = torch.tril(torch.ones(2, 5, dtype=torch.bool), diagonal=3)  # a chain through 3 cached nodes: causal
+    torch.manual_seed(0)
+    wide = _tree_call("torch", 2, tree)
+    torch.manual_seed(0)
+    causal = _tree_call("torch", 2, None)
+    torch.testing.assert_close(wide, causal, atol=2e-6, rtol=1e-5)
+    q, k, v = _inputs(1, 2, 8, 4, 2, 64, torch.float32)
+    with use_backend("triton"), pytest.raises(ValueError, match="CPU torch path only"):
+        attention(q.cpu(), k.cpu(), v.cpu(), tree=tree)
 
 
 def test_tree_over_64_tokens_is_torch_only():
