@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from graphspec.kernels._dispatch import use_backend
-from graphspec.kernels.attention import attention, causal_mask
+from graphspec.kernels.attention import attention, causal_mask, check_tree
 from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.rmsnorm import rmsnorm
 from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
@@ -183,7 +183,8 @@ class Transformer:
         (``graphspec.kernels.attention.ancestor_mask``): token i attends to the cache and to the new
         tokens j with ``tree[i, j]`` (a draft tree verified in one forward; pass each token's
         ``positions``, its depth after the cache). The cache then holds every branch: keep the
-        accepted one with ``cache.keep``.
+        accepted one with ``cache.keep``. A draft growing its tree over several forwards passes a
+        wider ``[T, m]`` mask over the last m positions (cached nodes, then the new ones; CPU only).
         Returns ``[B, n, V]`` fp32 (``V = len(ids)`` with ``head``) and advances ``cache.length`` by T.
         """
         token_ids = self._check_ids(token_ids)
@@ -242,9 +243,9 @@ class Transformer:
     def _forward(self, ids, positions, cache, logits_for, head=None, tree=None) -> torch.Tensor:
         c = self.config
         rows = self._rows(logits_for, ids.shape[1])
-        if self.quantize and self.lean_int8_forward and cache is not None and tree is None:
+        if self.quantize and self.lean_int8_forward and cache is not None:
             with torch.no_grad():
-                return self._forward_int8(ids, positions, cache, rows, head)
+                return self._forward_int8(ids, positions, cache, rows, head, tree)
         with use_backend(self.backend), torch.no_grad():
             x = F.embedding(ids, self.embed).to(self.dtype)  # [B, T, H]
             h = x
@@ -279,7 +280,7 @@ class Transformer:
     # int8 models run cached forwards through _forward_int8 (False: the general forward, for comparisons).
     lean_int8_forward = True
 
-    def _forward_int8(self, ids, positions, cache, rows, head) -> torch.Tensor:
+    def _forward_int8(self, ids, positions, cache, rows, head, tree=None) -> torch.Tensor:
         """A cached forward of an int8 model: ``_forward``'s math as one TorchScript call.
 
         Everything is fp32 and the GEMMs call the int8 op directly, so no op casts, checks shapes
@@ -292,7 +293,11 @@ class Transformer:
         t = ids.shape[1]
         w = Int8Layers(self.layers, self.norm)  # made per call (tens of microseconds), so never stale
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
-        mask = causal_mask(t, cache.length + t) if t > 1 else None  # a single query sees every cached key
+        if tree is not None:  # the attention op's tree, checked by it: new tokens see their ancestors
+            check_tree(tree, t, cache.length + t, ids.device)
+            mask = torch.cat([tree.new_ones(t, cache.length + t - tree.shape[1]), tree], dim=1)
+        else:
+            mask = causal_mask(t, cache.length + t) if t > 1 else None  # a single query sees every cached key
         h = F.embedding(ids, self.embed).float()  # [B, T, H]
         return scripted_forward()(
             h, cos, sin, mask, cache.length, cache.k, cache.v, w.wqkv, w.bqkv, w.wo, w.bo, w.w13, w.w2,

@@ -103,3 +103,72 @@ def test_lean_forward_runs_as_torchscript(model, monkeypatch):
     model.step(torch.tensor([[1, 2, 3]]), cache, logits_for="last")
     model.step(torch.tensor([[4]]), cache, logits_for="last")
     assert len(calls) == 2 and cache.length == 4
+
+
+def _beam_levels(model, fast, prompt, levels):
+    """A beam draft's forwards: the prompt, then each level's rows under ``tree [T, m]`` masks, as the beam
+    passes them; returns each level's logits. ``levels``: lists of (token, parent node or -1) per level."""
+    model.lean_int8_forward = fast
+    try:
+        cache = model.new_cache(64)
+        model.step(prompt, cache, logits_for="last")
+        base = cache.length
+        slot, depth, out = [], [], []
+        for level in levels:
+            first = cache.length
+            m = first - base + len(level)
+            tree = torch.zeros(len(level), m, dtype=torch.bool)
+            pos = []
+            for r, (_, parent) in enumerate(level):
+                tree[r, m - len(level) + r] = True
+                d, a = 0, parent
+                while a >= 0:
+                    tree[r, slot[a] - base] = True
+                    a, d = _parent(levels, a), d + 1
+                pos.append(base + d)
+            ids = torch.tensor([[t for t, _ in level]])
+            out.append(model.step(ids, cache, positions=torch.tensor([pos]), tree=tree))
+            slot += [first + r for r in range(len(level))]
+        return out
+    finally:
+        model.lean_int8_forward = True
+
+
+def _parent(levels, node):
+    """The parent of flat node index ``node`` over all levels (-1: the root)."""
+    flat = [p for level in levels for _, p in level]
+    return flat[node]
+
+
+LEVELS = [[(6, -1), (5, -1)], [(3, 0), (5, 1), (8, 0)], [(9, 2), (7, 4)]]  # (token, parent): nodes 0 1 | 2 3 4 | 5 6
+
+
+def test_lean_forward_with_a_wide_tree_matches_the_general_forward(model):
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]]) % model.config.vocab_size
+    lean, general = _beam_levels(model, True, prompt, LEVELS), _beam_levels(model, False, prompt, LEVELS)
+    for fast, slow in zip(lean, general):
+        torch.testing.assert_close(fast, slow, rtol=0, atol=ATOL)
+    assert lean[-1].abs().max() > 0.5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_wide_tree_rows_equal_their_paths_fed_in_order(arch, tmp_path):
+    """A beam's level rows (``tree [T, m]`` over cached nodes) equal feeding each row's path as a sequence.
+
+    In fp32 (int8 quantizes each call's activations with one scale, so its rows depend on the batch)."""
+    model = load_model(make_checkpoint(tmp_path, arch, tokenizer=None), dtype=torch.float32)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]]) % model.config.vocab_size
+    flat = [(t, p) for level in LEVELS for t, p in level]
+    n = 0
+    for lv, out in enumerate(_beam_levels(model, False, prompt, LEVELS)):
+        for r in range(len(LEVELS[lv])):
+            path, a = [], n + r
+            while a >= 0:
+                path.append(flat[a][0])
+                a = flat[a][1]
+            seq = model.step(torch.cat([prompt, torch.tensor([path[::-1]])], dim=1), model.new_cache(64),
+                             logits_for="last")
+            torch.testing.assert_close(out[:, r], seq[:, 0], rtol=1e-4, atol=1e-4)
+        n += len(LEVELS[lv])
+    swapped = _beam_levels(model, False, prompt, [LEVELS[0], [(3, 1), (5, 0), (8, 1)]])  # other parents
+    assert (swapped[1] - _beam_levels(model, False, prompt, LEVELS[:2])[1]).abs().max() > 1e-3  # the mask matters
