@@ -60,6 +60,10 @@ def _positive_int(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
 
 
+def _nonneg_int(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
 def _draft_siblings(text: str) -> int | str:
     return text if text == "auto" else _int_at_least(text, 0, "an integer >= 0 or 'auto'")
 
@@ -110,6 +114,10 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                    help="a draft tree: up to N alternative tokens beside the draft's chain, in the verify rows the "
                         "chain left unused (model drafts, with either tokenizer; output unchanged); 0: a chain; "
                         "auto (the default) = 4 for a model draft")
+    p.add_argument("--draft-beam", type=_nonneg_int, default=0, metavar="W",
+                   help="grow a cross-tokenizer CPU draft's tree best first, W paths a forward (greedy runs; output "
+                        "unchanged); K then bounds the tree: try -k 10 --draft-beam 2 where verify rows are cheap "
+                        "(AMX); 0 (the default): no beam")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",
                    help="a model draft stops proposing once it gives its own token less than P; "
                         "auto (the default): 0.4 for a draft with the target's tokenizer, 0.3 for one with another; "
@@ -273,6 +281,10 @@ def _draft_kw(args) -> dict:
         if not model_draft:
             raise CLIError("--draft-siblings branches a model draft's proposals; give --draft a model")
         kw["draft_siblings"] = args.draft_siblings
+    if args.draft_beam:
+        if not model_draft:
+            raise CLIError("--draft-beam grows a model draft's tree; give --draft a model")
+        kw["draft_beam"] = args.draft_beam
     return kw
 
 
@@ -362,6 +374,9 @@ def _cmd_bench(args) -> int:
     if args.draft_siblings not in ("auto", 0):
         raise CLIError("bench measures a chain's acceptance at each draft position to recommend K; a draft tree "
                        "(--draft-siblings) would blur it: leave --draft-siblings out")
+    if args.draft_beam:
+        raise CLIError("bench measures a chain's acceptance at each draft position to recommend K; a beam "
+                       "(--draft-beam) would blur it: leave --draft-beam out")
     kw = _draft_kw(args)
     kw.pop("draft_siblings", None)  # a chain, whatever run's default
     spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping, **kw)

@@ -35,7 +35,7 @@ from graphspec.kernels import batched_rows
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
 __all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "DraftHead", "ModelDrafter", "NgramDrafter", "draw_siblings",
-           "draft_vocab_ids", "sibling_slots"]
+           "draft_vocab_ids", "rows_logits", "sibling_slots"]
 
 DRAFT_READS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 DRAFT_WRITES = ("draft_ids", "draft_probs")
@@ -75,6 +75,13 @@ def check_siblings(value, allow_auto: bool = False) -> int | str:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"draft_siblings must be an int >= 0 (0: a plain chain of drafts)"
                          f"{' or auto' if allow_auto else ''}, got {value!r}")
+    return value
+
+
+def check_beam(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"draft_beam must be an int >= 0 (0: no beam; 2: expand the two likeliest paths per "
+                         f"draft forward), got {value!r}")
     return value
 
 
@@ -249,6 +256,16 @@ def next_logits(model, head: DraftHead | None, new: torch.Tensor, cache) -> torc
     if head is None:
         return model.step(new, cache, logits_for="last")[:, -1]
     return head.logits(model, new, cache)
+
+
+def rows_logits(model, head: DraftHead | None, new: torch.Tensor, cache, positions: torch.Tensor,
+                tree: torch.Tensor) -> torch.Tensor:
+    """One draft forward over tree nodes ``new [1, T]``: every row's next-token logits ``[T, V]`` fp32."""
+    if head is None:
+        return model.step(new, cache, positions=positions, tree=tree)[0]
+    part = model.step(new, cache, positions=positions, tree=tree, head=head.weight)[0]  # [T, n]
+    full = part.new_full((part.shape[0], head.width), float("-inf"))
+    return full.index_copy_(1, head.ids, part)
 
 
 class ModelDrafter(Stage):

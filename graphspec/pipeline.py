@@ -30,13 +30,14 @@ from typing import Iterator, Sequence
 import torch
 
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance
-from graphspec.drafters import (AUTO_DRAFT_SIBLINGS, ModelDrafter, NgramDrafter, check_confidence_threshold,
-                                check_siblings)
+from graphspec.drafters import (AUTO_DRAFT_SIBLINGS, ModelDrafter, NgramDrafter, check_beam,
+                                check_confidence_threshold, check_siblings)
 from graphspec.graph import Graph, Stage
 from graphspec.kernels import EXACT_ROWS_MAX, use_backend
 from graphspec.state import RunInfo, SamplingParams, State
 from graphspec.stats import GenerationStats
 from graphspec.verify import TreeVerify, Verify
+from graphspec.vocab_stages import BEAM_STOP_PROBABILITY
 
 __all__ = ["Pipeline", "GenerationResult", "build_graph", "STEP_INPUTS", "STEP_OUTPUTS"]
 
@@ -114,7 +115,8 @@ def _same_vocabulary(target, draft) -> bool:
 
 
 def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = None,
-                 draft_vocab=None, siblings: int = 0) -> tuple[Stage, Stage] | None:
+                 draft_vocab=None, siblings: int = 0, beam: int = 0,
+                 beam_threshold: float = 0.0) -> tuple[Stage, Stage] | None:
     """``(drafter, map stage)`` for a draft with another tokenizer, or None when they share one.
 
     The single hook for cross-vocabulary drafting (``graphspec.vocab_stages``): the drafter keeps
@@ -135,7 +137,7 @@ def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = 
     from graphspec.vocab_stages import vocab_stages
 
     return vocab_stages(target, draft, mode, confidence_threshold=confidence_threshold, draft_vocab=draft_vocab,
-                        siblings=siblings)
+                        siblings=siblings, beam=beam, beam_threshold=beam_threshold)
 
 
 def _check_positive_int(name: str, v, minimum: int = 1) -> int:
@@ -226,13 +228,20 @@ class Pipeline:
     lossless at every temperature). Across tokenizers, TLI maps each sibling to its one target id and
     SLEM re-tokenizes each sibling's text into a branch of target ids (``graphspec.vocab_stages``).
     "auto": ``AUTO_DRAFT_SIBLINGS`` for a model draft (the CLI's default), a chain for prompt lookup.
+    ``draft_beam=w`` (a CPU draft with another tokenizer, greedy runs): the draft grows its tree best first
+    instead, each forward after the first expanding its w likeliest paths as w rows, and proposes its K
+    likeliest nodes (``CrossVocabDrafter._beam``); K then bounds the tree's draft tokens, its depth and its
+    target rows, and ``draft_confidence_threshold`` is the path probability below which it stops growing
+    ("auto": ``BEAM_STOP_PROBABILITY``, 0.15; None: never). Pays where extra verify rows are cheap (on the AMX Xeon of the README, K=10 with w=2);
+    sampled runs draft as without it. 0 (the default): no beam.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
                  max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
                  sync_timing: bool | None = None,
                  draft_confidence_threshold: float | str | None = "auto",
-                 draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int | str = 0):
+                 draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int | str = 0,
+                 draft_beam: int = 0):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
         if num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} makes a verify block of "
@@ -240,6 +249,7 @@ class Pipeline:
                              f"is computed exactly as a one-token step (and the widest tree attention takes); "
                              f"use at most {MAX_SPECULATIVE_TOKENS}")
         siblings = check_siblings(draft_siblings, allow_auto=True)
+        beam = check_beam(draft_beam)
         threshold = check_confidence_threshold(draft_confidence_threshold, allow_auto=True)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
             raise ValueError(f"vocab_mapping={vocab_mapping!r} is not one of {VOCAB_MAPPING_MODES}")
@@ -260,6 +270,8 @@ class Pipeline:
         if siblings and not model_draft:
             raise ValueError(f"draft_siblings={siblings} needs a model draft (a path, zoo name or loaded model) that "
                              f"ranks alternatives, got draft={draft!r}")
+        if beam and not model_draft:
+            raise ValueError(f"draft_beam={beam} grows a model draft's tree, got draft={draft!r}")
         if draft is None:
             drafter = None
         elif isinstance(draft, Stage):
@@ -273,8 +285,13 @@ class Pipeline:
                                  f"load both on one device (device=...)")
             cross = _vocab_stage(self.target, self.draft, vocab_mapping,
                                  CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD if threshold == "auto" else threshold,
-                                 draft_vocab, siblings)
+                                 draft_vocab, siblings, beam,
+                                 BEAM_STOP_PROBABILITY if threshold == "auto" else threshold or 0.0)
             if cross is None:
+                if beam:
+                    raise ValueError(f"draft_beam={beam} is for a draft with another tokenizer (the draft's tree is "
+                                     f"re-tokenized for the target); this draft shares the target's: use "
+                                     f"draft_siblings instead")
                 drafter = ModelDrafter(self.draft, draft_vocab=draft_vocab, siblings=siblings,
                                        confidence_threshold=DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
                                        if threshold == "auto" else threshold)
@@ -283,9 +300,10 @@ class Pipeline:
                 between.append(mapper)
 
         verify: Stage = Verify(self.target)
-        if siblings:
+        if siblings or beam:
             if acceptance not in (None, "rejection"):
-                raise ValueError(f"draft_siblings={siblings} verifies a draft tree, which needs its own acceptance "
+                what = f"draft_siblings={siblings}" if siblings else f"draft_beam={beam}"
+                raise ValueError(f"{what} verifies a draft tree, which needs its own acceptance "
                                  f"rule (TreeAcceptance, greedy and sampling); leave acceptance=None, got "
                                  f"{acceptance!r}")
             acceptance = TreeAcceptance()

@@ -45,18 +45,19 @@ size go to ``state.run.extra["vocab"]``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from graphspec.drafters import (DraftHead, check_confidence_threshold, check_siblings, draft_confidence, draw_siblings,
-                                next_logits, prefill, sibling_slots)
+from graphspec.drafters import (DraftHead, check_beam, check_confidence_threshold, check_siblings, draft_confidence,
+                                draw_siblings, next_logits, prefill, rows_logits, sibling_slots)
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 from graphspec.kernels.vocab_map import vocab_map, vocab_mask_logits
 from graphspec.vocab import ByteEncoder, VocabMapping, build_vocab_mapping
 
-__all__ = ["CrossVocabDrafter", "VocabMap", "vocab_stages", "VOCAB_MODES", "AUTO_GREEDY_MODE"]
+__all__ = ["CrossVocabDrafter", "VocabMap", "vocab_stages", "VOCAB_MODES", "AUTO_GREEDY_MODE", "BEAM_STOP_PROBABILITY"]
 
 VOCAB_MODES = ("auto", "tli", "slem")
 AUTO_GREEDY_MODE = "slem"  # measured, see the module docstring
@@ -67,6 +68,13 @@ DRAFT_LOOKBEHIND = 4
 TARGET_LOOKBEHIND = 4
 
 DRAFT_OWN_FIELDS = ("draft_own_ids", "draft_own_probs")
+
+# A beam (``CrossVocabDrafter(beam=w)``) stops growing once its likeliest path's draft probability falls
+# below this or after BEAM_MAX_DEPTH forwards, and keeps this many children per node beyond its width
+# (the root: twice as many): the settings of the replay that chose the design (perf/RESULTS.md).
+BEAM_STOP_PROBABILITY = 0.15
+BEAM_EXTRA_CHILDREN = 2
+BEAM_MAX_DEPTH = 6  # forwards a step at most (6, 8, 10 within 1% of each other at K=10, 4 prompts x 64)
 DRAFT_OWN_TREE = "draft_own_parents"  # a draft tree in the draft's own ids (``siblings``), as draft_parents
 
 
@@ -85,6 +93,20 @@ def check_mode(mode: str, params) -> None:
                          f"to sample across vocabularies")
 
 
+def _spelled_path(ids: list[int], parents: list[int], pieces: list[bytes], data: bytes) -> list[int]:
+    """The rows of the deepest root path of a draft tree whose pieces, joined, begin ``data``."""
+    best: list[int] = []
+    todo: list[tuple[int, int, list[int]]] = [(0, 0, [])]  # (node: 0 the root, else row + 1; bytes; path)
+    while todo:
+        node, pos, path = todo.pop()
+        if len(path) > len(best):
+            best = path
+        for j, p in enumerate(parents):
+            if p == node and pieces[j] and data.startswith(pieces[j], pos):
+                todo.append((j + 1, pos + len(pieces[j]), path + [j]))
+    return best
+
+
 @dataclass
 class _DraftText:
     """The draft's own token list for one generation, kept spelling the committed text."""
@@ -98,6 +120,9 @@ class _DraftText:
     synced: int = 0                # target tokens folded in so far (prompt included)
     fed: list[int] = field(default_factory=list)        # draft ids in the draft's KV cache, in order
     proposals: list[int] = field(default_factory=list)  # the draft ids proposed by the last step
+    # A beam's last tree: (ids, parents as draft_own_parents, cache slot of each node or -1, len(fed) then)
+    tree: tuple | None = None
+    kept: list[tuple[int, int]] = field(default_factory=list)  # (id, slot) of the taken path's cached nodes
 
     def add_boundary(self, off: int) -> None:
         self.safe_idx.append(len(self.own))
@@ -111,12 +136,22 @@ class CrossVocabDrafter(Stage):
     writes = DRAFT_OWN_FIELDS
 
     def __init__(self, model, mapping: VocabMapping, target_tokenizer, mode: str = "auto", name: str = "draft",
-                 confidence_threshold: float | None = None, draft_vocab=None, siblings: int = 0):
+                 confidence_threshold: float | None = None, draft_vocab=None, siblings: int = 0, beam: int = 0,
+                 beam_threshold: float = BEAM_STOP_PROBABILITY):
         super().__init__(name)
         # A draft tree (see ModelDrafter): up to ``siblings`` next-best draft tokens beside the chain.
         # TLI maps them one to one; SLEM re-tokenizes each alternative text (VocabMap).
         self.siblings = check_siblings(siblings)
-        if self.siblings:
+        # A beam (greedy runs): each forward after the first expands the ``beam`` likeliest paths (see _beam).
+        self.beam = check_beam(beam)
+        if not isinstance(beam_threshold, (int, float)) or isinstance(beam_threshold, bool) or not 0 <= beam_threshold < 1:
+            raise ValueError(f"beam_threshold must be a probability in [0, 1), got {beam_threshold!r}")
+        self.beam_threshold = float(beam_threshold)
+        if self.beam and torch.device(model.device).type != "cpu":
+            raise ValueError(f"a draft beam grows its tree over cached nodes, which the attention op masks on the CPU "
+                             f"only; the draft is on {model.device}: use draft_beam=0 there")
+        self.tree = bool(self.siblings or self.beam)  # writes draft_own_parents
+        if self.tree:
             self.writes = DRAFT_OWN_FIELDS + (DRAFT_OWN_TREE,)
         self.confidence_threshold = check_confidence_threshold(confidence_threshold)  # see ModelDrafter
         if mode not in VOCAB_MODES:
@@ -228,6 +263,15 @@ class CrossVocabDrafter(Stage):
 
         # 1) The draft's own proposals that the target kept (byte for byte) stay as they are.
         pos = 0
+        if text.tree is not None:  # a beam's tree: the deepest path the committed bytes spell
+            ids, parents, slots, _ = text.tree
+            path = _spelled_path(ids, parents, [dpieces[d] if d < len(dpieces) else b"" for d in ids], data)
+            text.proposals = [ids[j] for j in path]
+            text.kept = []
+            for j in path:
+                if slots[j] < 0:
+                    break
+                text.kept.append((ids[j], slots[j]))
         for d in text.proposals:
             b = dpieces[d] if d < len(dpieces) else b""
             if not b or not data.startswith(b, pos):
@@ -302,21 +346,30 @@ class CrossVocabDrafter(Stage):
             return
 
         cache = sc["cache"]
-        common = 0
         fed = text.fed
+        if text.tree is not None:  # the last step was a beam: its tree's cached nodes sit after fed
+            base = text.tree[3]
+            if text.kept and cache.length > base == len(fed):
+                cache.keep(base, [slot for _, slot in text.kept])
+                fed.extend(t for t, _ in text.kept)
+            else:
+                cache.truncate(min(cache.length, base))
+            text.tree, text.kept = None, []
+        common = 0
         limit = min(len(fed), len(own) - 1, cache.length)
         while common < limit and fed[common] == own[common]:
             common += 1
         cache.truncate(common)
         del fed[common:]
-        capacity = self._room(state, sc, len(own) + k)
+        params = state.params
+        beam = self.beam if params.greedy else 0  # sampled runs draft a chain (with siblings): see _beam
+        capacity = self._room(state, sc, len(own) + k * max(beam, 1))
         cache = sc["cache"]
         k = min(k, capacity - len(own) + 1)
         if k <= 0:
             self._empty(state)
             return
 
-        params = state.params
         tli = sc["mode"] == "tli"
         d2t = self.mapping.tables_on(device)[0]
         spellable = self._spellable_on.get(str(device))
@@ -325,6 +378,9 @@ class CrossVocabDrafter(Stage):
         vd = self.mapping.draft_vocab_size
         new = torch.tensor([own[common:]], dtype=torch.int64, device=device)
         fed.extend(own[common:])
+        if beam:
+            self._beam(state, text, sc["cache"], new, k, beam, d2t if tli else spellable, tli, capacity)
+            return
         picks: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []  # per depth, what siblings are ranked (and drawn) by
@@ -369,13 +425,101 @@ class CrossVocabDrafter(Stage):
                 ids = torch.cat([ids, torch.tensor([sib_ids], dtype=torch.int64, device=device)], dim=1)
                 if probs:
                     probs.extend([probs[d] for d in sib_depths])
+        elif self.tree:  # a beam drafter's sampled run: a chain, written as a tree
+            state.draft_own_parents = tuple(range(len(proposals)))
         state.draft_own_ids = ids
         state.draft_own_probs = torch.stack(probs, dim=1) if probs else None  # [1, k, Vd]
+
+    def _beam(self, state, text: _DraftText, cache, new: torch.Tensor, k: int, width: int, allowed: torch.Tensor,
+              tli: bool, capacity: int) -> None:
+        """A greedy draft tree grown best first (after EAGLE-2's dynamic trees): up to ``k`` draft tokens.
+
+        The first forward feeds ``new`` (what the cache lacks) and ranks the first tokens. Each later forward
+        feeds the ``width`` likeliest nodes of the deepest level as ``width`` rows of one draft step: the
+        cache holds earlier levels' nodes, and a ``[rows, m]`` tree mask over them lets each row see only its
+        own ancestors. A node's score is its path's draft probability; growth stops at depth ``k``, once
+        the level's best path scores below ``beam_threshold``, or once k nodes outscore it (a child never
+        scores above its parent, so nothing deeper could be proposed). The tree proposed is the ``k`` best-scoring
+        nodes (each with its parent: scores only fall along a path). Greedy acceptance takes the longest
+        branch the target agrees with, so any tree is lossless; sampled runs never come here (rejection
+        sampling needs drafted, not ranked, tokens). The next step keeps the cached nodes of the path the
+        target took (``cache.keep``) and drops the rest.
+        """
+        run = state.run
+        vd = self.mapping.draft_vocab_size
+        skip = set() if tli else set(self._draft_special)  # SLEM proposes no special token (see the chain)
+        base = cache.length + new.shape[1]
+        toks: list[int] = []
+        parent: list[int] = []   # node index, -1: the root
+        score: list[float] = []  # log of the path's draft probability
+        depth: list[int] = []
+        slot: list[int] = []     # cache slot once fed, else -1
+
+        def children(logits: torch.Tensor, of: int, how_many: int) -> list[int]:
+            lp = torch.log_softmax(vocab_mask_logits(logits, allowed), dim=-1)[0]
+            vals, idx = torch.topk(lp, min(how_many + len(skip), lp.shape[-1]))
+            at = 0.0 if of < 0 else score[of]
+            added = []
+            for v, t in zip(vals.tolist(), idx.tolist()):
+                if v == float("-inf") or t in skip:
+                    continue
+                if len(added) == how_many:
+                    break
+                toks.append(t), parent.append(of), score.append(at + v), slot.append(-1)
+                depth.append(1 if of < 0 else depth[of] + 1)
+                added.append(len(toks) - 1)
+            return added
+
+        root = next_logits(self.model, self.head, new, cache)[:, :vd]
+        run.draft_forwards += 1
+        level = children(root, -1, 2 * (width + BEAM_EXTRA_CHILDREN))
+        floor = math.log(self.beam_threshold) if self.beam_threshold > 0 else float("-inf")
+        for _ in range(min(k, BEAM_MAX_DEPTH) - 1):
+            level = sorted(level, key=lambda n: -score[n])[:width]
+            if not level or score[level[0]] < floor or cache.length + len(level) > capacity:
+                break
+            if sum(1 for x in score if x > score[level[0]]) >= k:  # no descendant could make the k best
+                break
+            m = cache.length - base + len(level)  # tree columns: cached nodes, then this level
+            mask = torch.zeros(len(level), m, dtype=torch.bool)
+            for r, n in enumerate(level):
+                mask[r, m - len(level) + r] = True
+                a = parent[n]
+                while a >= 0:
+                    mask[r, slot[a] - base] = True
+                    a = parent[a]
+            ids = torch.tensor([[toks[n] for n in level]], dtype=torch.int64, device=run.device)
+            positions = torch.tensor([[base + depth[n] - 1 for n in level]], dtype=torch.int64, device=run.device)
+            first = cache.length
+            out = rows_logits(self.model, self.head, ids, cache, positions, mask.to(run.device))[:, :vd]
+            run.draft_forwards += 1
+            nxt: list[int] = []
+            for r, n in enumerate(level):
+                slot[n] = first + r
+                nxt.extend(children(out[r:r + 1], n, width + BEAM_EXTRA_CHILDREN))
+            level = nxt
+        chosen: dict[int, int] = {}  # node -> row
+        out_ids: list[int] = []
+        out_parents: list[int] = []  # as draft_own_parents: 0 the root, else the parent's row + 1
+        for n in sorted(range(len(toks)), key=lambda n: (-score[n], depth[n])):
+            if len(out_ids) >= k:
+                break
+            a = parent[n]
+            if a >= 0 and a not in chosen:
+                continue
+            chosen[n] = len(out_ids)
+            out_ids.append(toks[n])
+            out_parents.append(0 if a < 0 else chosen[a] + 1)
+        text.tree = (out_ids, out_parents, [slot[n] for n in chosen], base)
+        text.proposals = []
+        state.draft_own_ids = torch.tensor([out_ids], dtype=torch.int64, device=run.device).view(1, -1)
+        state.draft_own_probs = None
+        state.draft_own_parents = tuple(out_parents)
 
     def _empty(self, state) -> None:
         state.draft_own_ids = torch.empty(1, 0, dtype=torch.int64, device=state.run.device)
         state.draft_own_probs = None
-        if self.siblings:
+        if self.tree:
             state.draft_own_parents = ()
 
 
@@ -387,7 +531,7 @@ class VocabMap(Stage):
 
     def __init__(self, drafter: CrossVocabDrafter, name: str = "map"):
         super().__init__(name)
-        if drafter.siblings:
+        if drafter.tree:
             self.reads = VocabMap.reads + (DRAFT_OWN_TREE,)
             self.writes = VocabMap.writes + ("draft_parents",)
         self.drafter = drafter
@@ -402,7 +546,7 @@ class VocabMap(Stage):
         mode = state.scratch(self.drafter)["mode"]
         own_ids = state.draft_own_ids
         device = own_ids.device
-        tree = self.drafter.siblings > 0
+        tree = self.drafter.tree
         if own_ids.shape[1] == 0:
             state.draft_ids = torch.empty(1, 0, dtype=torch.int64, device=device)
             state.draft_probs = None
@@ -432,18 +576,16 @@ class VocabMap(Stage):
 
     def retokenize_tree(self, committed: list[int], own: list[int], parents: tuple[int, ...],
                         limit: int) -> tuple[list[int], tuple[int, ...]]:
-        """SLEM for a draft tree: the target-token tree of the chain's text and each sibling's text.
+        """SLEM for a draft tree: the target-token trie of the texts of the tree's root-to-leaf paths.
 
-        ``own``/``parents``: the draft's chain (each parent the previous row), then sibling ids, each under
-        the chain row of its depth, best first. The chain's text is re-tokenized as for a chain (up to
-        ``limit`` target ids); each sibling's text (the chain's ids before its depth, then the sibling) is
-        re-tokenized too and merged into a trie of target ids: where it agrees with a branch already
-        there it follows it, the rest becomes new rows. Rows stop at ``limit`` in all, so a step verifies
-        no more rows than a chain of ``limit``. Children of a row differ, as TreeVerify needs.
+        ``own``/``parents``: the draft's tree (``parents[j]``: 0 for the root, else the parent's row + 1;
+        parents before children): a chain then siblings beside it, or a beam's best-first tree. Each
+        leaf's text (its path's draft ids), in row order, is re-tokenized as for a chain (up to ``limit``
+        target ids) and merged into a trie of target ids: where it agrees with a branch already there it
+        follows it, the rest becomes new rows. Rows stop at ``limit`` in all, so a step verifies no more
+        rows than a chain of ``limit``. Children of a row differ, as TreeVerify needs.
         """
-        n_chain = 0
-        while n_chain < len(parents) and parents[n_chain] == n_chain:
-            n_chain += 1
+        has_child = set(parents)
         rows: list[int] = []
         tree: list[int] = []
         kids: dict[tuple[int, int], int] = {}
@@ -460,12 +602,16 @@ class VocabMap(Stage):
                     nxt = kids[(cur, t)] = len(rows)
                 cur = nxt
 
-        merge(self.retokenize(committed, own[:n_chain], limit))
-        for j in range(n_chain, len(own)):
+        for j in range(len(own)):
+            if j + 1 in has_child:
+                continue
             if len(rows) >= limit:
                 break
-            depth = parents[j]
-            merge(self.retokenize(committed, own[:depth] + [own[j]], limit))
+            path, a = [], j + 1
+            while a:
+                path.append(own[a - 1])
+                a = parents[a - 1]
+            merge(self.retokenize(committed, path[::-1], limit))
         return rows, tuple(tree)
 
     def retokenize(self, committed: list[int], own_ids: list[int], limit: int) -> list[int]:
@@ -494,7 +640,8 @@ class VocabMap(Stage):
 
 
 def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True, confidence_threshold: float | None = None,
-                 draft_vocab=None, siblings: int = 0) -> tuple[CrossVocabDrafter, VocabMap]:
+                 draft_vocab=None, siblings: int = 0, beam: int = 0,
+                 beam_threshold: float = BEAM_STOP_PROBABILITY) -> tuple[CrossVocabDrafter, VocabMap]:
     """The draft and map stages for a target and draft with different tokenizers.
 
     Builds (or loads from the cache) the vocabulary tables; an empty intersection is a
@@ -509,5 +656,5 @@ def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True, confi
     mapping = build_vocab_mapping(dt, tt, draft_vocab_size=draft.config.vocab_size,
                                   target_vocab_size=target.config.vocab_size, cache=cache)
     drafter = CrossVocabDrafter(draft, mapping, tt, mode, confidence_threshold=confidence_threshold,
-                                draft_vocab=draft_vocab, siblings=siblings)
+                                draft_vocab=draft_vocab, siblings=siblings, beam=beam, beam_threshold=beam_threshold)
     return drafter, VocabMap(drafter)

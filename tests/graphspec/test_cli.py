@@ -93,18 +93,23 @@ def test_draft_vocab_flag_reaches_the_pipeline():
 
     from graphspec.cli import _draft_kw
 
+    def ns(draft, vocab="auto", siblings="auto", beam=0):
+        return SimpleNamespace(draft=draft, draft_vocab=vocab, draft_siblings=siblings, draft_beam=beam)
+
     def kw(draft_arg, vocab):
-        return _draft_kw(SimpleNamespace(draft=draft_arg, draft_vocab=vocab, draft_siblings="auto")).get("draft_vocab")
+        return _draft_kw(ns(draft_arg, vocab)).get("draft_vocab")
 
     assert kw("m", "auto") == "auto"  # the library resolves it: pruned for an int8 draft only
     assert kw("ngram", "auto") is None and kw(None, "auto") is None
     assert kw("m", "none") is None
     assert kw("m", 300) == 300
-    siblings = _draft_kw(SimpleNamespace(draft="m", draft_vocab="auto", draft_siblings=3))
+    siblings = _draft_kw(ns("m", siblings=3))
     assert siblings == {"draft_vocab": "auto", "draft_siblings": 3}
-    assert "draft_siblings" not in _draft_kw(SimpleNamespace(draft="m", draft_vocab="auto", draft_siblings=0))
-    assert _draft_kw(SimpleNamespace(draft="m", draft_vocab="none", draft_siblings="auto")) == {"draft_siblings": "auto"}
-    assert _draft_kw(SimpleNamespace(draft="ngram", draft_vocab="auto", draft_siblings="auto")) == {}
+    assert "draft_siblings" not in _draft_kw(ns("m", siblings=0))
+    assert _draft_kw(ns("m", vocab="none")) == {"draft_siblings": "auto"}
+    assert _draft_kw(ns("ngram")) == {}
+    assert _draft_kw(ns("m", vocab="none", beam=2)) == {"draft_siblings": "auto", "draft_beam": 2}
+    assert "draft_beam" not in _draft_kw(ns("m"))
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -125,6 +130,10 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-siblings", "2", "hi"), ["--draft-siblings"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "-1", "hi"), ["--draft-siblings"]),
     (("bench", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "2"), ["--draft-siblings"]),
+    (("run", "--target", "TINY", "--draft", "ngram", "--draft-beam", "2", "hi"), ["--draft-beam"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-beam", "-2", "hi"), ["--draft-beam"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-beam", "2", "hi"), ["draft_beam=2", "draft_siblings"]),
+    (("bench", "--target", "TINY", "--draft", "TINY", "--draft-beam", "2"), ["--draft-beam"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
 ])

@@ -35,23 +35,25 @@ def baselines(models):
     return [plain.run(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("draft_kind, mapping, siblings", [
-    ("smollm2", "slem", 0), ("smollm2", "tli", 0), ("ngram", "auto", 0),
-    ("smollm2", "slem", 4), ("smollm2", "tli", 4),  # draft trees across tokenizers
+@pytest.mark.parametrize("draft_kind, mapping, siblings, beam", [
+    ("smollm2", "slem", 0, 0), ("smollm2", "tli", 0, 0), ("ngram", "auto", 0, 0),
+    ("smollm2", "slem", 4, 0), ("smollm2", "tli", 4, 0),  # draft trees across tokenizers
+    ("smollm2", "slem", 0, 2), ("smollm2", "tli", 0, 2),  # grown best first
 ])
-def test_speculative_greedy_equals_autoregressive(models, baselines, draft_kind, mapping, siblings):
+def test_speculative_greedy_equals_autoregressive(models, baselines, draft_kind, mapping, siblings, beam):
     target, draft_model = models
     draft = draft_model if draft_kind == "smollm2" else "ngram"
-    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=4, vocab_mapping=mapping, draft_siblings=siblings)
+    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=8 if beam else 4, vocab_mapping=mapping,
+                              draft_siblings=siblings, draft_beam=beam)
     proposed = sibs = 0
     for prompt, base in zip(PROMPTS, baselines):
         out = spec.run(prompt, max_new_tokens=NEW_TOKENS)
         assert out.token_ids == base.token_ids, (draft_kind, mapping, prompt, out.text, base.text)
         assert out.text == base.text
         proposed += out.stats.proposed
-        sibs += out.stats.tree["siblings_proposed"] if siblings else 0
+        sibs += out.stats.tree["siblings_proposed"] if siblings or beam else 0
     assert proposed > 0
-    assert (sibs > 0) == bool(siblings)
+    assert (sibs > 0) == bool(siblings or beam)
     if draft_kind == "smollm2":
         assert spec.graph.names == ["draft", "map", "verify", "accept"]
         assert out.stats.vocab["intersection"] > 30000

@@ -181,16 +181,41 @@ class ScriptedDraft:
             logits = -logits
         return logits
 
-    def step(self, token_ids, cache, positions=None, logits_for="all"):
+    def step(self, token_ids, cache, positions=None, logits_for="all", tree=None):
         B, T = token_ids.shape
         L = cache.length
         cache.tokens[:, L:L + T] = token_ids
         cache.length = L + T
         ctx = cache.tokens[0, :L + T].tolist()
+        if tree is not None:  # a beam's level: each row continues the cache prefix and its visible nodes
+            m = tree.shape[1]
+            assert logits_for == "all" and positions is not None
+            rows = [ctx[:L + T - m] + [ctx[L + T - m + j] for j in range(m) if bool(tree[i, j])] for i in range(T)]
+            for i, row in enumerate(rows):
+                assert int(positions[0, i]) == len(row) - 1  # rope positions: the node's place on its path
+            return torch.stack([self._next_logits(r) for r in rows]).view(1, T, -1)
         assert logits_for == "last" or (isinstance(logits_for, torch.Tensor) and logits_for.numel() == 0)
         if logits_for != "last":
             return torch.zeros(1, 0, self.config.vocab_size)
         return self._next_logits(ctx).view(1, 1, -1)
+
+
+class _CacheProbe(Stage):
+    """After each draft: the draft's cache begins with ``fed`` (its record of what it holds); after a beam,
+    ``fed`` is the committed text's draft tokens."""
+
+    def __init__(self, drafter, checks):
+        super().__init__("probe", (), ())
+        self.drafter, self.checks = drafter, checks
+
+    def run(self, state):
+        sc = state.scratch(self.drafter)
+        text, cache = sc["text"], sc["cache"]
+        fed, own = text.fed, text.own
+        ok = cache.tokens[0, :len(fed)].tolist() == fed and cache.length >= len(fed)
+        if text.tree is not None:  # a beam fed nothing but committed text, its tree sits after it
+            ok = ok and fed == own[:len(fed)]
+        self.checks.append(ok)
 
 
 class _Recorder(Stage):
@@ -209,9 +234,10 @@ class _Recorder(Stage):
         self.steps.append((len(state.tokens), state.draft_ids[0].tolist()))
 
 
+@pytest.mark.parametrize("beam", [0, 2], ids=["chain", "beam"])
 @pytest.mark.parametrize("mode", ["tli", "slem"])
 @pytest.mark.parametrize("wrong_every", [0, 3])
-def test_greedy_scripted_draft_is_accepted_and_stays_exact(models_, mode, wrong_every):
+def test_greedy_scripted_draft_is_accepted_and_stays_exact(models_, mode, wrong_every, beam):
     target, real_draft = models_["bl_target"], models_["ms_draft"]
     prompt = PROMPTS[2]
     base = _baseline(target, prompt, 40)
@@ -219,8 +245,10 @@ def test_greedy_scripted_draft_is_accepted_and_stays_exact(models_, mode, wrong_
                                   draft_vocab_size=real_draft.config.vocab_size,
                                   target_vocab_size=target.config.vocab_size)
     draft = ScriptedDraft(real_draft.tokenizer, real_draft.config.vocab_size, mapping.draft_tokens, wrong_every)
+    # With a beam the draft also ranks its runners-up, in rows of the same forwards: it stays on script
+    # only if the drafter keeps the cached nodes of the path the target took, and drops the others.
     spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, vocab_mapping=mode,
-                              draft_confidence_threshold=None)
+                              draft_confidence_threshold=None, draft_beam=beam)
     own_prompt = spec.graph["draft"].prompt_tokens(base.prompt_token_ids)
     draft.script = mapping.draft_tokens.join(own_prompt)
     for t in base.token_ids:
@@ -228,14 +256,20 @@ def test_greedy_scripted_draft_is_accepted_and_stays_exact(models_, mode, wrong_
         draft.boundaries.add(len(draft.script))
     recorder = _Recorder(spec.graph["map"])
     spec.replace_stage("map", recorder)
+    checks = []
+    spec.insert_stage(_CacheProbe(spec.graph["draft"], checks), after="draft")
     out = spec.run(prompt, max_new_tokens=40, ignore_eos=True)
     assert out.token_ids == base.token_ids and out.text == base.text
+    assert len(checks) == out.stats.steps and all(checks)  # the draft's cache held its committed text's tokens
     # Random drafts are accepted about never. TLI's ceiling is low on this text: half the target's
     # tokens are byte-level merges the metaspace vocabulary lacks, and TLI can only propose shared ids.
+    # A beam ranks by path probability, which this draft gives no meaning (a right piece beats others by
+    # one logit), so its trees are bushier and it accepts less; its cache is what this test checks.
     floor = {("tli", 0): 0.12, ("tli", 3): 0.05, ("slem", 0): 0.8, ("slem", 3): 0.3}[(mode, wrong_every)]
-    print("ACC", mode, wrong_every, out.stats.acceptance_rate, out.stats.steps)
+    if beam:
+        floor = {("tli", 0): 0.12, ("tli", 3): 0.005, ("slem", 0): 0.5, ("slem", 3): 0.05}[(mode, wrong_every)]
     assert out.stats.acceptance_rate > floor, out.stats
-    if mode == "tli" and not wrong_every:
+    if mode == "tli" and not wrong_every and not beam:
         # Exactly in step: whenever the target's next tokens have counterparts, the draft proposed them.
         P, gen, t2d = len(base.prompt_token_ids), base.token_ids, mapping.target_to_draft
         checked = 0
@@ -263,6 +297,55 @@ def test_greedy_tree_equals_target_alone(models_, pair, mode):
         assert out.token_ids == _baseline(target, prompt, 16).token_ids, (mode, prompt)
         proposed += out.stats.tree["siblings_proposed"]
     assert proposed > 0
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+@pytest.mark.parametrize("pair", PAIRS, ids=["bytelevel-target", "metaspace-target"])
+def test_greedy_beam_equals_target_alone(models_, checkpoints, pair, mode, quantize):
+    target = models_[pair[0]]
+    draft = graphspec.load_model(checkpoints[pair[1]], quantize=quantize) if quantize else models_[pair[1]]
+    spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=6, vocab_mapping=mode, draft_beam=2,
+                              draft_confidence_threshold=None)
+    assert spec.graph.names == ["draft", "map", "verify", "accept"]
+    proposed = forwards = steps = 0
+    for prompt in PROMPTS:
+        out = spec.run(prompt, max_new_tokens=16, ignore_eos=True)
+        assert out.token_ids == _baseline(target, prompt, 16).token_ids, (mode, prompt)
+        proposed += out.stats.tree["siblings_proposed"]
+        forwards, steps = forwards + out.stats.draft_forwards, steps + out.stats.steps
+    assert proposed > 0  # branches beside the best path were verified
+    assert forwards > 1.5 * steps  # the beam grows past its first forward (prefill and catch-up included)
+
+
+def test_beam_tree_is_the_trie_of_its_leaves_texts(models_):
+    """retokenize_tree on a beam's tree: each leaf's path text, in row order, merged into one trie."""
+    target, draft = models_["bl_target"], models_["ms_draft"]
+    mapper, dt = graphspec.Pipeline(target, draft=draft, vocab_mapping="slem", draft_beam=2).graph["map"], draft.tokenizer
+    committed = target.tokenizer.encode("def f(x):\n", add_special_tokens=False)
+    w = [dt.encode(x, add_special_tokens=False)[0] for x in (" return", " yield", " x", " y", " +")]
+    own, parents = w, (0, 0, 1, 2, 3)  # rows: " return", " yield"; " x" under 0, " y" under 1; " +" under 2
+    leaves = [[w[1], w[3]], [w[0], w[2], w[4]]]  # rows 3 and 4, in row order
+    ids, tree = mapper.retokenize_tree(committed, own, parents, 32)
+    expected_ids, expected_tree, kids = [], [], {}
+    for leaf in leaves:
+        cur = 0
+        for t in mapper.retokenize(committed, leaf, 32):
+            if (cur, t) not in kids:
+                expected_ids.append(t), expected_tree.append(cur)
+                kids[(cur, t)] = len(expected_ids)
+            cur = kids[(cur, t)]
+    assert (ids, tree) == (expected_ids, tuple(expected_tree)) and tree.count(0) >= 2  # both leaves branch
+
+
+def test_spelled_path_takes_the_deepest_branch_the_bytes_spell():
+    from graphspec.vocab_stages import _spelled_path
+
+    pieces = [b"ab", b"a", b"c", b"bcd", b"x"]
+    parents = [0, 0, 1, 2, 4]  # "ab" -> "c"; "a" -> "bcd" -> "x" (parents: 0 the root, else row + 1)
+    assert _spelled_path([0] * 5, parents, pieces, b"abcdx!") == [1, 3, 4]
+    assert _spelled_path([0] * 5, parents, pieces, b"abc") == [0, 2]
+    assert _spelled_path([0] * 5, parents, pieces, b"q") == []
 
 
 def test_slem_tree_is_the_trie_of_its_texts(models_):
@@ -356,6 +439,28 @@ def test_modes_and_errors(models_, checkpoints, tmp_path):
     for given in (None, 0.6):
         assert graphspec.Pipeline(target, draft=draft, draft_confidence_threshold=given).graph[
             "draft"].confidence_threshold == given
+
+
+def test_beam_errors_say_what_to_fix(models_, checkpoints):
+    target, draft = models_["bl_target"], models_["ms_draft"]
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="draft_beam must be an int >= 0"):
+            graphspec.Pipeline(target, draft=draft, draft_beam=bad)
+    with pytest.raises(ValueError, match="draft_beam=2 grows a model draft's tree"):
+        graphspec.Pipeline(target, draft="ngram", draft_beam=2)
+    with pytest.raises(ValueError, match="shares the target's: use draft_siblings"):
+        graphspec.Pipeline(target, draft=graphspec.load_model(checkpoints["bl_target"]), draft_beam=2)
+    with pytest.raises(ValueError, match="draft_beam=2 verifies a draft tree"):
+        graphspec.Pipeline(target, draft=draft, draft_beam=2, acceptance="greedy")
+    from graphspec.vocab_stages import CrossVocabDrafter
+
+    mapping = graphspec.Pipeline(target, draft=draft).graph["draft"].mapping
+    with pytest.raises(ValueError, match="beam_threshold must be a probability"):
+        CrossVocabDrafter(draft, mapping, target.tokenizer, beam=2, beam_threshold=1.5)
+    tree = graphspec.Pipeline(target, draft=draft, draft_beam=2)
+    assert tree.graph["draft"].beam == 2 and "draft_parents" in tree.graph["map"].writes
+    assert graphspec.Pipeline(target, draft=draft, draft_beam=2, draft_confidence_threshold=None).graph[
+        "draft"].beam_threshold == 0.0
 
 
 def test_second_pipeline_loads_the_tables_from_the_cache(models_):
@@ -483,6 +588,55 @@ def test_greedy_tree_siblings_are_taken_and_the_output_stays_exact(mode):
         assert out[siblings].token_ids == base.token_ids
     assert out[2].stats.tree["siblings_accepted"] >= 5, out[2].stats.tree
     assert out[2].stats.steps < out[0].stats.steps
+
+
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+def test_greedy_beam_is_taken_and_the_output_stays_exact(mode):
+    """The toy draft's first choice is about never the target's, so a beam (its runners-up grown into
+    branches) needs fewer target forwards than a chain of the same K, and the output stays the target's."""
+    target, draft = _toy_pair()
+    base = graphspec.Pipeline(target).run(PROMPT, max_new_tokens=60, ignore_eos=True)
+    steps = {}
+    for beam in (0, 2):
+        pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=6, vocab_mapping=mode,
+                                  draft_beam=beam, draft_confidence_threshold=None)
+        out = pipe.run(PROMPT, max_new_tokens=60, ignore_eos=True)
+        assert out.token_ids == base.token_ids
+        steps[beam] = out.stats.steps
+    assert out.stats.tree["siblings_accepted"] >= 5, out.stats.tree  # branches off the likeliest path were taken
+    assert steps[2] < steps[0], steps
+
+
+def test_beam_pipeline_samples_with_a_chain():
+    """A beam ranks tokens rather than drawing them, so sampled runs draft a chain (still a tree verify)."""
+    target, draft = _toy_pair()
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli", draft_beam=2)
+    seen = []
+    pipe.insert_stage(_ParentsProbe(seen), after="map")
+    a = pipe.run(PROMPT, max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    assert a.token_ids == pipe.run(PROMPT, max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True).token_ids
+    assert seen and all(p == tuple(range(len(p))) for p in seen)  # chains only
+    greedy = pipe.run(PROMPT, max_new_tokens=12, ignore_eos=True)
+    assert any(p != tuple(range(len(p))) for p in seen)  # ... and greedy runs branch
+
+
+class _ParentsProbe(Stage):
+    def __init__(self, seen):
+        super().__init__("probe", ("draft_parents",), ())
+        self.seen = seen
+
+    def run(self, state):
+        self.seen.append(tuple(state.draft_parents))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0)], ids=["t1"])
+def test_tli_sampling_with_a_beam_pipeline_matches_the_target_distribution(params):
+    target, draft = _toy_pair()
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli", draft_beam=2,
+                              draft_confidence_threshold=0.5)
+    pvalues, rate = _marginal_pvalues(pipe, params)
+    assert min(pvalues) > 1e-3, pvalues
+    assert 0.1 < rate < 0.95, rate
 
 
 def test_tli_same_seed_same_output_and_greedy_exact():

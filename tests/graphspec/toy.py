@@ -80,11 +80,13 @@ class ToyLM:
         cache.tokens[:, L:L + T] = token_ids
         cache.length = L + T
         if tree is not None:  # a draft tree: each row's previous token is its parent's (the nearest ancestor)
-            last = cache.tokens[:, L - 1] if L else torch.full_like(token_ids[:, 0], self.START)
+            m = tree.shape[1]  # the tree masks the last m slots (m > T: a beam's cached nodes, then the new ones)
+            start = L + T - m
+            last = cache.tokens[:, start - 1] if start else torch.full_like(token_ids[:, 0], self.START)
             prev = []
             for i in range(T):
-                anc = [j for j in range(i) if bool(tree[i, j])]
-                prev.append(token_ids[:, anc[-1]] if anc else last)
+                anc = [j for j in range(m - T + i) if bool(tree[i, j])]
+                prev.append(cache.tokens[:, start + anc[-1]] if anc else last)
             logits = self.table[torch.stack(prev, dim=1), token_ids]
         else:
             logits = self._logits(cache.tokens[:, :L + T], L)
