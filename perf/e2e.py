@@ -40,15 +40,18 @@ from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E4
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # spec_0.5b and spec_smollm2 draft trees (draft_siblings "auto", as the CLI); the *_chain methods are the same
-# pairs as plain chains, so one run compares the two.
-METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "ngram")
+# pairs as plain chains, so one run compares the two; spec_smollm2_beam grows SmolLM2's tree best first
+# (Pipeline(draft_beam=BEAM_WIDTH), K = --k-cross-beam).
+METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "spec_smollm2_beam", "ngram")
+BEAM_WIDTH = 2
 HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
 # Every model draft's early-stop threshold, passed to Pipeline and recorded in the JSON (as the CLI: 0.4 for a
 # draft with the target's tokenizer, 0.3 for one with another).
 DRAFT_CONFIDENCE = "auto"
 # Which transformers run each graphspec method is compared with.
 HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_0.5b_chain": "hf_assist_0.5b",
-           "spec_smollm2": "hf_assist_smollm2", "spec_smollm2_chain": "hf_assist_smollm2", "ngram": "hf_ar"}
+           "spec_smollm2": "hf_assist_smollm2", "spec_smollm2_chain": "hf_assist_smollm2",
+           "spec_smollm2_beam": "hf_assist_smollm2", "ngram": "hf_ar"}
 
 
 def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
@@ -123,11 +126,12 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
     target = model(TARGET)
     if method == "ar":
         pipe = graphspec.Pipeline(target)
-    elif method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain"):
+    elif method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "spec_smollm2_beam"):
         name = DRAFT if method.startswith("spec_0.5b") else CROSS_DRAFT
         pipe = graphspec.Pipeline(target, draft=model(name, draft_quantize), num_speculative_tokens=k,
                                   draft_vocab=draft_vocab, draft_siblings=0 if method.endswith("_chain") else draft_siblings,
-                                  draft_confidence_threshold=DRAFT_CONFIDENCE)
+                                  draft_confidence_threshold=DRAFT_CONFIDENCE,
+                                  draft_beam=BEAM_WIDTH if method.endswith("_beam") else 0)
     elif method == "ngram":
         pipe = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k)
     else:
@@ -192,7 +196,7 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
               draft_siblings: int | str = 0) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
     drafts = {DRAFT: ("spec_0.5b", "spec_0.5b_chain", "hf_assist_0.5b"),
-              CROSS_DRAFT: ("spec_smollm2", "spec_smollm2_chain", "hf_assist_smollm2")}
+              CROSS_DRAFT: ("spec_smollm2", "spec_smollm2_chain", "spec_smollm2_beam", "hf_assist_smollm2")}
     one_family = _model_bytes(TARGET, dtype) + sum(
         _model_bytes(n, dtype) for n, ms in drafts.items() if any(m in methods or m in hf_methods for m in ms))
     together = bool(hf_methods) and 2 * one_family < 0.75 * _available_bytes()
@@ -335,6 +339,7 @@ def main(argv=None) -> int:
     # chain K=4 beat K=5.
     ap.add_argument("--k-cross", type=int, default=5, help="K for the SmolLM2 draft tree (spec_smollm2)")
     ap.add_argument("--k-cross-chain", type=int, default=4, help="K for the SmolLM2 chain (spec_smollm2_chain)")
+    ap.add_argument("--k-cross-beam", type=int, default=10, help="K for the SmolLM2 beam (spec_smollm2_beam)")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
@@ -381,7 +386,7 @@ def main(argv=None) -> int:
         dtype = DTYPES[dname]
         log(f"[{dname}]")
         ks = {"spec_0.5b": args.k_model, "spec_0.5b_chain": args.k_model, "spec_smollm2": args.k_cross,
-              "spec_smollm2_chain": args.k_cross_chain, "ngram": args.k_ngram}
+              "spec_smollm2_chain": args.k_cross_chain, "spec_smollm2_beam": args.k_cross_beam, "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
                                    "auto" if args.draft_vocab is None else args.draft_vocab or None,
