@@ -38,6 +38,10 @@ same-vocabulary stages, unchanged.
   tokens as the chain shares its rows, the rest of it becomes a branch, up to ``num_draft`` rows in all.
   The draft's own text and cache need nothing new: ``_sync`` already folds in whatever the target
   committed, a taken sibling included.
+- Draft beams (``beam=w``, greedy, CPU): the tree grows best first over several forwards, w rows a
+  forward under a tree mask over the cached nodes (``CrossVocabDrafter._beam``); the K best nodes go to
+  the map stage, which re-tokenizes each leaf's text into the same trie. ``_sync`` finds the deepest
+  tree path the committed bytes spell, and the next step keeps that path's cached nodes.
 
 Per-run bookkeeping lives in ``state.scratch(stage)``; the resolved mode and the intersection
 size go to ``state.run.extra["vocab"]``.
@@ -339,6 +343,14 @@ class CrossVocabDrafter(Stage):
         sc = state.scratch(self)
         text: _DraftText = sc["text"]
         self._sync(text, state.tokens)
+        if text.tree is not None:  # the last step was a beam: keep its taken path's cached nodes, drop the rest
+            base, cache = text.tree[3], sc["cache"]
+            if text.kept and cache.length > base == len(text.fed):
+                cache.keep(base, [slot for _, slot in text.kept])
+                text.fed.extend(t for t, _ in text.kept)
+            else:
+                cache.truncate(min(cache.length, base))
+            text.tree, text.kept = None, []
         k = state.num_draft
         own = text.own
         if k <= 0 or not own:
@@ -347,14 +359,6 @@ class CrossVocabDrafter(Stage):
 
         cache = sc["cache"]
         fed = text.fed
-        if text.tree is not None:  # the last step was a beam: its tree's cached nodes sit after fed
-            base = text.tree[3]
-            if text.kept and cache.length > base == len(fed):
-                cache.keep(base, [slot for _, slot in text.kept])
-                fed.extend(t for t, _ in text.kept)
-            else:
-                cache.truncate(min(cache.length, base))
-            text.tree, text.kept = None, []
         common = 0
         limit = min(len(fed), len(own) - 1, cache.length)
         while common < limit and fed[common] == own[common]:
@@ -465,7 +469,10 @@ class CrossVocabDrafter(Stage):
                     continue
                 if len(added) == how_many:
                     break
-                toks.append(t), parent.append(of), score.append(at + v), slot.append(-1)
+                toks.append(t)
+                parent.append(of)
+                score.append(at + v)
+                slot.append(-1)
                 depth.append(1 if of < 0 else depth[of] + 1)
                 added.append(len(toks) - 1)
             return added
