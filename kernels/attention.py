@@ -144,7 +144,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     With a ``tree`` ``[T, m]`` the mask over ``[T, L]`` is ``cat([all True [T, L - m], tree], dim=1)``.
     """
-    scale = _validate(q, k, v, scale, tree)
+    return _attend(q, k, v, _validate(q, k, v, scale, tree), tree)
+
+
+def _attend(q, k, v, scale: float, tree=None) -> torch.Tensor:
+    """``attention_ref`` after validation: also each row of the CPU verify path (``_rowwise``), which
+    checks its inputs once for all rows and so must run these very ops for each."""
     B, T, Hq, D = q.shape
     L, Hk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -192,8 +197,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         # depending on how many rows it is given (measured: ~9% of bf16 rows). So each row runs as its own
         # one-row call over exactly the keys it sees (with a tree: the cache prefix, then its ancestors and
         # itself, in order); attention is a few % of a CPU step.
-        _validate(q, k, v, scale, tree)
-        return _rowwise(q, k, v, scale, tree)
+        return _rowwise(q, k, v, _validate(q, k, v, scale, tree), tree)
     return attention_ref(q, k, v, scale, tree)
 
 
@@ -202,8 +206,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 _ROWWISE_MAX_T = EXACT_ROWS_MAX
 
 
-def _rowwise(q, k, v, scale, tree=None) -> torch.Tensor:
-    """The CPU verify path of ``attention``: each row a one-row ``attention_ref`` over its own keys.
+def _rowwise(q, k, v, scale: float, tree=None) -> torch.Tensor:
+    """The CPU verify path of ``attention`` (inputs validated, ``scale`` resolved): each row a one-row
+    ``attention_ref`` over its own keys (its ops, ``_attend``, without checking the inputs again).
 
     k and v go to fp32 once here (exact), not once per row inside attention_ref: 6 rows of a 1.5B bf16
     verify, 300 cached keys, 1 thread: 597 -> 483 us a layer. Rows come in two kinds:
@@ -229,7 +234,7 @@ def _rowwise(q, k, v, scale, tree=None) -> torch.Tensor:
     for j, seen in enumerate(visible):
         a = len(seen) - 1
         if seen[-1] == a:  # a chain row
-            rows[j] = attention_ref(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
+            rows[j] = _attend(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
         else:
             branched.append(j)
     if branched:
@@ -242,7 +247,7 @@ def _rowwise(q, k, v, scale, tree=None) -> torch.Tensor:
             idx = torch.tensor(path, device=k.device)
             kf[:, base:base + n] = new_k.index_select(1, idx)
             vf[:, base:base + n] = new_v.index_select(1, idx)
-            rows[j] = attention_ref(qf[:, j:j + 1], kf[:, :base + n], vf[:, :base + n], scale)
+            rows[j] = _attend(qf[:, j:j + 1], kf[:, :base + n], vf[:, :base + n], scale)
     return torch.cat(rows, dim=1).to(q.dtype)
 
 
