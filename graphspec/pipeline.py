@@ -232,7 +232,7 @@ class Pipeline:
     instead, each forward after the first expanding its w likeliest paths as w rows, and proposes its K
     likeliest nodes (``CrossVocabDrafter._beam``); K then bounds the tree's draft tokens, its depth and its
     target rows, and ``draft_confidence_threshold`` is the path probability below which it stops growing
-    ("auto": ``BEAM_STOP_PROBABILITY``, 0.15; None: never). Pays where extra verify rows are cheap (on the AMX Xeon of the README, K=10 with w=2);
+    ("auto": ``BEAM_STOP_PROBABILITY``, 0.15; None: never). Pays where extra verify rows are cheap (on the AMX Xeon of the README, K=8 with w=2);
     sampled runs draft as without it. 0 (the default): no beam.
     """
 

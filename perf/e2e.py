@@ -339,7 +339,7 @@ def main(argv=None) -> int:
     # chain K=4 beat K=5.
     ap.add_argument("--k-cross", type=int, default=5, help="K for the SmolLM2 draft tree (spec_smollm2)")
     ap.add_argument("--k-cross-chain", type=int, default=4, help="K for the SmolLM2 chain (spec_smollm2_chain)")
-    ap.add_argument("--k-cross-beam", type=int, default=10, help="K for the SmolLM2 beam (spec_smollm2_beam)")
+    ap.add_argument("--k-cross-beam", type=int, default=8, help="K for the SmolLM2 beam (spec_smollm2_beam)")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
