@@ -551,12 +551,15 @@ def test_tli_sampling_matches_the_target_distribution(params):
     assert 0.2 < rate < 0.95, rate  # both the accepting and the rejecting paths ran
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
-                         ids=["t1", "t0.7-top5"])
-def test_tli_tree_sampling_matches_the_target_distribution(params):
+@pytest.mark.parametrize("params, tree", [
+    (SamplingParams(temperature=1.0), {"draft_siblings": 2}),
+    (SamplingParams(temperature=0.7, top_k=5), {"draft_siblings": 2}),
+    (SamplingParams(temperature=1.0), {"draft_beam": 2}),  # a beam pipeline samples with its chain
+], ids=["t1", "t0.7-top5", "t1-beam"])
+def test_tli_tree_sampling_matches_the_target_distribution(params, tree):
     target, draft = _toy_pair()
-    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli", draft_siblings=2,
-                              draft_confidence_threshold=0.5)
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli",
+                              draft_confidence_threshold=0.5, **tree)
     pvalues, rate = _marginal_pvalues(pipe, params)
     assert min(pvalues) > 1e-3, pvalues
     assert 0.1 < rate < 0.95, rate
@@ -627,16 +630,6 @@ class _ParentsProbe(Stage):
 
     def run(self, state):
         self.seen.append(tuple(state.draft_parents))
-
-
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0)], ids=["t1"])
-def test_tli_sampling_with_a_beam_pipeline_matches_the_target_distribution(params):
-    target, draft = _toy_pair()
-    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli", draft_beam=2,
-                              draft_confidence_threshold=0.5)
-    pvalues, rate = _marginal_pvalues(pipe, params)
-    assert min(pvalues) > 1e-3, pvalues
-    assert 0.1 < rate < 0.95, rate
 
 
 def test_tli_same_seed_same_output_and_greedy_exact():
