@@ -37,7 +37,6 @@ from graphspec.kernels import EXACT_ROWS_MAX, use_backend
 from graphspec.state import RunInfo, SamplingParams, State
 from graphspec.stats import GenerationStats
 from graphspec.verify import TreeVerify, Verify
-from graphspec.vocab_stages import BEAM_STOP_PROBABILITY
 
 __all__ = ["Pipeline", "GenerationResult", "build_graph", "STEP_INPUTS", "STEP_OUTPUTS"]
 
@@ -116,7 +115,7 @@ def _same_vocabulary(target, draft) -> bool:
 
 def _vocab_stage(target, draft, mode: str, confidence_threshold: float | None = None,
                  draft_vocab=None, siblings: int = 0, beam: int = 0,
-                 beam_threshold: float = 0.0) -> tuple[Stage, Stage] | None:
+                 beam_threshold: float | str | None = "auto") -> tuple[Stage, Stage] | None:
     """``(drafter, map stage)`` for a draft with another tokenizer, or None when they share one.
 
     The single hook for cross-vocabulary drafting (``graphspec.vocab_stages``): the drafter keeps
@@ -232,7 +231,7 @@ class Pipeline:
     instead, each forward after the first expanding its w likeliest paths as w rows, and proposes its K
     likeliest nodes (``CrossVocabDrafter._beam``); K then bounds the tree's draft tokens, its depth and its
     target rows, and ``draft_confidence_threshold`` is the path probability below which it stops growing
-    ("auto": ``BEAM_STOP_PROBABILITY``, 0.15; None: never). Pays where extra verify rows are cheap (on the AMX Xeon of the README, K=8 with w=2);
+    ("auto": ``graphspec.vocab_stages.BEAM_STOP_PROBABILITY``, 0.15; None: never). Pays where extra verify rows are cheap (on the AMX Xeon of the README, K=8 with w=2);
     sampled runs draft as without it. 0 (the default): no beam.
     """
 
@@ -286,7 +285,7 @@ class Pipeline:
             cross = _vocab_stage(self.target, self.draft, vocab_mapping,
                                  CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD if threshold == "auto" else threshold,
                                  draft_vocab, siblings, beam,
-                                 BEAM_STOP_PROBABILITY if threshold == "auto" else threshold or 0.0)
+                                 threshold)
             if cross is None:
                 if beam:
                     raise ValueError(f"draft_beam={beam} is for a draft with another tokenizer (the draft's tree is "

@@ -459,8 +459,8 @@ class CrossVocabDrafter(Stage):
         depth: list[int] = []
         slot: list[int] = []     # cache slot once fed, else -1
 
-        def children(logits: torch.Tensor, of: int, how_many: int) -> list[int]:
-            lp = torch.log_softmax(vocab_mask_logits(logits, allowed), dim=-1)[0]
+        def children(lp: torch.Tensor, of: int, how_many: int) -> list[int]:
+            """Add node ``of``'s ``how_many`` likeliest children from its log-probabilities ``lp [V]``."""
             vals, idx = torch.topk(lp, min(how_many + len(skip), lp.shape[-1]))
             at = 0.0 if of < 0 else score[of]
             added = []
@@ -477,9 +477,12 @@ class CrossVocabDrafter(Stage):
                 added.append(len(toks) - 1)
             return added
 
-        root = next_logits(self.model, self.head, new, cache)[:, :vd]
+        def log_probs(logits: torch.Tensor) -> torch.Tensor:  # [n, V]: masked to what the mode may propose
+            return torch.log_softmax(vocab_mask_logits(logits[:, :vd], allowed), dim=-1)
+
+        root = log_probs(next_logits(self.model, self.head, new, cache))
         run.draft_forwards += 1
-        level = children(root, -1, 2 * (width + BEAM_EXTRA_CHILDREN))
+        level = children(root[0], -1, 2 * (width + BEAM_EXTRA_CHILDREN))
         floor = math.log(self.beam_threshold) if self.beam_threshold > 0 else float("-inf")
         for _ in range(min(k, BEAM_MAX_DEPTH) - 1):
             level = sorted(level, key=lambda n: -score[n])[:width]
@@ -498,12 +501,12 @@ class CrossVocabDrafter(Stage):
             ids = torch.tensor([[toks[n] for n in level]], dtype=torch.int64, device=run.device)
             positions = torch.tensor([[base + depth[n] - 1 for n in level]], dtype=torch.int64, device=run.device)
             first = cache.length
-            out = rows_logits(self.model, self.head, ids, cache, positions, mask.to(run.device))[:, :vd]
+            out = log_probs(rows_logits(self.model, self.head, ids, cache, positions, mask.to(run.device)))
             run.draft_forwards += 1
             nxt: list[int] = []
             for r, n in enumerate(level):
                 slot[n] = first + r
-                nxt.extend(children(out[r:r + 1], n, width + BEAM_EXTRA_CHILDREN))
+                nxt.extend(children(out[r], n, width + BEAM_EXTRA_CHILDREN))
             level = nxt
         chosen: dict[int, int] = {}  # node -> row
         out_ids: list[int] = []
@@ -648,11 +651,12 @@ class VocabMap(Stage):
 
 def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True, confidence_threshold: float | None = None,
                  draft_vocab=None, siblings: int = 0, beam: int = 0,
-                 beam_threshold: float = BEAM_STOP_PROBABILITY) -> tuple[CrossVocabDrafter, VocabMap]:
+                 beam_threshold: float | str | None = "auto") -> tuple[CrossVocabDrafter, VocabMap]:
     """The draft and map stages for a target and draft with different tokenizers.
 
     Builds (or loads from the cache) the vocabulary tables; an empty intersection is a
-    ValueError, a small one a warning.
+    ValueError, a small one a warning. ``beam_threshold``: the path probability a beam stops growing
+    below, "auto" (``BEAM_STOP_PROBABILITY``) or None (never).
     """
     if mode not in VOCAB_MODES:
         raise ValueError(f"vocab_mapping={mode!r} is not one of {VOCAB_MODES}")
@@ -663,5 +667,6 @@ def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True, confi
     mapping = build_vocab_mapping(dt, tt, draft_vocab_size=draft.config.vocab_size,
                                   target_vocab_size=target.config.vocab_size, cache=cache)
     drafter = CrossVocabDrafter(draft, mapping, tt, mode, confidence_threshold=confidence_threshold,
-                                draft_vocab=draft_vocab, siblings=siblings, beam=beam, beam_threshold=beam_threshold)
+                                draft_vocab=draft_vocab, siblings=siblings, beam=beam,
+                                beam_threshold=BEAM_STOP_PROBABILITY if beam_threshold == "auto" else beam_threshold or 0.0)
     return drafter, VocabMap(drafter)
