@@ -41,7 +41,7 @@ import triton.language as tl
 
 from graphspec.kernels._dispatch import EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, rows_exact, use_triton
 
-__all__ = ["attention", "attention_ref", "ancestor_mask", "check_tree"]
+__all__ = ["attention", "attention_ref", "ancestor_mask", "check_tree", "tree_mask"]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -113,6 +113,11 @@ def causal_mask(t: int, length: int, device=None) -> torch.Tensor:
     return torch.arange(length, device=device)[None, :] <= torch.arange(length - t, length, device=device)[:, None]
 
 
+def tree_mask(tree: torch.Tensor, length: int) -> torch.Tensor:
+    """The ``[T, length]`` mask of a checked ``tree [T, m]``: every key before the last m visible, then ``tree``."""
+    return torch.cat([tree.new_ones(tree.shape[0], length - tree.shape[1]), tree], dim=1)
+
+
 def ancestor_mask(parents, device=None) -> torch.Tensor:
     """The ``[T, T]`` bool tree mask of a draft tree given as parent indices (T = ``len(parents)``).
 
@@ -161,10 +166,7 @@ def _attend(q, k, v, scale: float, tree=None) -> torch.Tensor:
     vf = v.float().transpose(1, 2)
     mask = None
     if T > 1 or (tree is not None and tree.shape[1] > 1):  # (a valid one-node tree is [[True]]: no mask either)
-        if tree is None:
-            mask = causal_mask(T, L, q.device)
-        else:
-            mask = torch.cat([tree.new_ones(T, L - tree.shape[1]), tree], dim=1)
+        mask = causal_mask(T, L, q.device) if tree is None else tree_mask(tree, L)
         mask = mask.repeat(G, 1)  # [G*T, L]
     out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)  # [B, Hk, G*T, D]
     out = out.reshape(B, Hk, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from graphspec.kernels._dispatch import use_backend
-from graphspec.kernels.attention import attention, causal_mask, check_tree
+from graphspec.kernels.attention import attention, causal_mask, check_tree, tree_mask
 from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.rmsnorm import rmsnorm
 from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
@@ -295,7 +295,7 @@ class Transformer:
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
         if tree is not None:  # the attention op's tree, checked by it: new tokens see their ancestors
             check_tree(tree, t, cache.length + t, ids.device)
-            mask = torch.cat([tree.new_ones(t, cache.length + t - tree.shape[1]), tree], dim=1)
+            mask = tree_mask(tree, cache.length + t)
         else:
             mask = causal_mask(t, cache.length + t) if t > 1 else None  # a single query sees every cached key
         h = F.embedding(ids, self.embed).float()  # [B, T, H]
