@@ -23,9 +23,12 @@
     each split writes a partial (max, sum, acc) and a combine kernel merges the splits, so a
     long cache keeps every SM busy even at batch 1.
   Head dims that are not powers of two (80, 96) are padded to the next power of two with masks.
-- Torch path (``attention_ref``, also the CPU fast path): fp32 math through
+- Torch path: ``attention_ref`` (the oracle, and the CPU path of prefills) is fp32 math through
   ``scaled_dot_product_attention`` with an explicit boolean causal mask at offset ``L - T``;
   GQA by folding the query heads of a group into the query axis, so k/v are never repeated.
+  Verify-sized blocks on the CPU run each row as that one-row call instead, over exactly its keys,
+  all rows in one TorchScript call (``graphspec.kernels._attention_cpu``): every row bit-identical
+  to the one-token step at its position.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from graphspec.kernels import _attention_cpu
 from graphspec.kernels._dispatch import EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, rows_exact, use_triton
 
 __all__ = ["attention", "attention_ref", "ancestor_mask", "check_tree", "tree_mask"]
@@ -149,12 +153,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     With a ``tree`` ``[T, m]`` the mask over ``[T, L]`` is ``cat([all True [T, L - m], tree], dim=1)``.
     """
-    return _attend(q, k, v, _validate(q, k, v, scale, tree), tree)
-
-
-def _attend(q, k, v, scale: float, tree=None) -> torch.Tensor:
-    """``attention_ref`` after validation: also each row of the CPU verify path (``_rowwise``), which
-    checks its inputs once for all rows and so must run these very ops for each."""
+    scale = _validate(q, k, v, scale, tree)
     B, T, Hq, D = q.shape
     L, Hk = k.shape[1], k.shape[2]
     G = Hq // Hk
@@ -193,64 +192,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         return attention_ref(q, k, v, scale, tree)  # a draft's tree forward (validated there): rows need not be exact
     if use_triton(q):
         return _attention_triton(q, k, v, scale, tree=tree)
-    if 1 < T <= _ROWWISE_MAX_T and rows_exact():
+    if 1 < T <= _EXACT_MAX_T and rows_exact():
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16
         # greedy speculative output drifts from autoregressive: torch's CPU SDPA rounds a row differently
         # depending on how many rows it is given (measured: ~9% of bf16 rows). So each row runs as its own
         # one-row call over exactly the keys it sees (with a tree: the cache prefix, then its ancestors and
-        # itself, in order); attention is a few % of a CPU step.
-        return _rowwise(q, k, v, _validate(q, k, v, scale, tree), tree)
+        # itself, in order), all rows in one TorchScript call (graphspec.kernels._attention_cpu).
+        return _attention_cpu.attend(q, k, v, _validate(q, k, v, scale, tree), tree)
     return attention_ref(q, k, v, scale, tree)
 
 
 # Verify-sized blocks (K + 1 rows, a draft tree; up to EXACT_ROWS_MAX) take the row-by-row CPU path above;
 # longer blocks, and any inside batched_rows() (prefills), keep one batched call.
-_ROWWISE_MAX_T = EXACT_ROWS_MAX
-
-
-def _rowwise(q, k, v, scale: float, tree=None) -> torch.Tensor:
-    """The CPU verify path of ``attention`` (inputs validated, ``scale`` resolved): each row a one-row
-    ``attention_ref`` over its own keys (its ops, ``_attend``, without checking the inputs again).
-
-    k and v go to fp32 once here (exact), not once per row inside attention_ref: 6 rows of a 1.5B bf16
-    verify, 300 cached keys, 1 thread: 597 -> 483 us a layer. Rows come in two kinds:
-
-    - A chain row sees new keys 0..j (every row without a tree): a slice of the cache, nothing moved.
-      These run first.
-    - Any other tree row sees new keys s_0 < ... < s_a = itself. Its path's keys are written, from a
-      copy of the new block taken before any write, into slots ``L-T .. L-T+a`` of the fp32 copy (cloned
-      first if k was fp32 already), so its keys are again one slice ``[:L-T+a+1]``, laid out as the
-      one-token step at that position has them.
-
-    Gathering each such row's keys (``index_select`` of the whole cache) instead cost a copy of the cache
-    per row and layer: an 11-row beam tree of the 1.5B (bf16, 2 threads, 250 cached) verified in 184 ms
-    against 165 ms for an 11-row chain.
-    """
-    T, L = q.shape[1], k.shape[1]
-    base = L - T
-    qf, kf, vf = q.float(), k.float(), v.float()
-    visible = [list(range(j + 1)) for j in range(T)] if tree is None else [
-        [i for i, x in enumerate(row) if x] for row in tree.tolist()]  # one read of the tree, not one per row
-    rows: list[torch.Tensor | None] = [None] * T
-    branched: list[int] = []
-    for j, seen in enumerate(visible):
-        a = len(seen) - 1
-        if seen[-1] == a:  # a chain row
-            rows[j] = _attend(qf[:, j:j + 1], kf[:, :base + a + 1], vf[:, :base + a + 1], scale)
-        else:
-            branched.append(j)
-    if branched:
-        if kf.data_ptr() == k.data_ptr():  # an fp32 cache: write into a copy, never into the cache
-            kf, vf = kf.clone(), vf.clone()
-        new_k, new_v = kf[:, base:].clone(), vf[:, base:].clone()  # the new block, before any write
-        for j in branched:
-            path = visible[j]
-            n = len(path)
-            idx = torch.tensor(path, device=k.device)
-            kf[:, base:base + n] = new_k.index_select(1, idx)
-            vf[:, base:base + n] = new_v.index_select(1, idx)
-            rows[j] = _attend(qf[:, j:j + 1], kf[:, :base + n], vf[:, :base + n], scale)
-    return torch.cat(rows, dim=1).to(q.dtype)
+_EXACT_MAX_T = EXACT_ROWS_MAX
 
 
 # ----------------------------------------------------------------------------- Triton kernels

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphspec.kernels import attention, attention_ref, batched_rows, use_backend
-from graphspec.kernels.attention import _ROWWISE_MAX_T, _attention_triton, ancestor_mask
+from graphspec.kernels.attention import _EXACT_MAX_T, _attention_triton, ancestor_mask
 from tests.kernels._compare import assert_close
 from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
@@ -215,6 +215,44 @@ def test_reference_tree_rows_match_path_attention(shape, T, dtype):
         assert_close(out[:, j:j + 1], expected, atol, rtol, name=f"attention_ref(tree) row {j}, path {path}")
 
 
+def _deep_parents(T):
+    """Two roots; every later node hangs under the one before it, from the second root: deep rows whose
+    path is not the chain, so every slot after the cache holds another node than in place."""
+    return [-1, -1] + list(range(1, T - 1))
+
+
+# (T, cached keys, parents, (B, Hq, Hk, D)): no cache; short and odd caches; a cache past flash attention's
+# 512-key blocks; deep trees; one kv head with one query head; MHA; GQA with D=80; batch 2; one row; more
+# than 64 rows (the masked reference).
+EXACT_TRIALS = [
+    (2, 0, None, (2, 9, 3, 64)),
+    (3, 13, None, (1, 1, 1, 64)),
+    (5, 27, None, (2, 9, 3, 80)),
+    (8, 40, None, (1, 4, 4, 128)),
+    (11, 59, None, (2, 6, 1, 64)),
+    (16, 91, None, (1, 1, 1, 80)),
+    (5, 300, None, (1, 1, 1, 64)),
+    (1, 200, None, (1, 1, 1, 128)),
+    (9, 530, None, (1, 12, 2, 128)),
+    (1, 70, None, (2, 9, 3, 80)),
+    (1, 47, None, (1, 1, 1, 64)),
+    (20, 37, "deep", (1, 6, 2, 64)),
+    (40, 101, "deep", (2, 3, 1, 80)),
+    (33, 16, None, (1, 2, 2, 64)),
+    (66, 30, None, (1, 4, 2, 64)),
+]
+
+
+def _exact_trial(trial, dtype, g):
+    T, cached, kind, (B, Hq, Hk, D) = trial
+    L = cached + T
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, L, Hk, D, generator=g).to(dtype)
+    v = torch.randn(B, L, Hk, D, generator=g).to(dtype)
+    parents = _deep_parents(T) if kind == "deep" else _random_parents(T, g)
+    return q, k, v, parents
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype):
     """On the CPU path, row j of a tree verify is exactly a one-token step over the prefix and j's path.
@@ -224,31 +262,45 @@ def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype):
     """
     g = torch.Generator().manual_seed(0)
     mismatches = []
-    for trial in range(10):
-        T = (2, 3, 5, 8, 11, 16, 9, 4, 20, 66)[trial]  # the last exceeds the row-by-row size: masked reference
-        L = T + 7 * trial + (trial % 3)
-        D = 80 if trial % 2 else 64
-        q = torch.randn(2, T, 9, D, generator=g, device="cpu").to(dtype)
-        k = torch.randn(2, L, 3, D, generator=g, device="cpu").to(dtype)
-        v = torch.randn(2, L, 3, D, generator=g, device="cpu").to(dtype)
-        parents = _random_parents(T, g)
+    for trial in EXACT_TRIALS:
+        q, k, v, parents = _exact_trial(trial, dtype, g)
+        T = q.shape[1]
         tree = ancestor_mask(parents, device="cpu")
         with use_backend("torch"):
             full = attention(q, k, v, tree=tree)
             chain = attention(q, k, v, tree=ancestor_mask(range(-1, T - 1), device="cpu"))
             causal = attention(q, k, v)
-        if not torch.equal(chain, causal):
-            mismatches.append(f"T={T}: causal tree != tree=None")
-        if T > _ROWWISE_MAX_T:
-            if not torch.equal(full, attention_ref(q, k, v, tree=tree)):
-                mismatches.append(f"T={T}: not the masked reference")
-            continue
+            if not torch.equal(chain, causal):
+                mismatches.append(f"{trial}: causal tree != tree=None")
+            if T > _EXACT_MAX_T:
+                if not torch.equal(full, attention_ref(q, k, v, tree=tree)):
+                    mismatches.append(f"{trial}: not the masked reference")
+                continue
+            for j in range(T):
+                path = _path(parents, j)
+                one = attention(q[:, j:j + 1], _path_cache(k, T, path), _path_cache(v, T, path))
+                if not torch.equal(one, full[:, j:j + 1]):
+                    mismatches.append(f"{trial} row {j} path {path}")
+                seen = k.shape[1] - T + j + 1  # the causal verify's row j: the one-token step at its position
+                if not torch.equal(attention(q[:, j:j + 1], k[:, :seen], v[:, :seen]), causal[:, j:j + 1]):
+                    mismatches.append(f"{trial} chain row {j}")
+    assert not mismatches, mismatches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cpu_exact_rows_match_definition(dtype):
+    """The CPU verify path is attention: each row against float64 attention over exactly its keys."""
+    g = torch.Generator().manual_seed(1)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else TOL[dtype]
+    for trial in EXACT_TRIALS:
+        q, k, v, parents = _exact_trial(trial, dtype, g)
+        T, D = q.shape[1], q.shape[3]
+        with use_backend("torch"):
+            full = attention(q, k, v, tree=ancestor_mask(parents, device="cpu"))
         for j in range(T):
             path = _path(parents, j)
-            one = attention_ref(q[:, j:j + 1], _path_cache(k, T, path), _path_cache(v, T, path))
-            if not torch.equal(one, full[:, j:j + 1]):
-                mismatches.append(f"T={T} row {j} path {path}")
-    assert not mismatches, mismatches
+            expected = _naive(q[:, j:j + 1], _path_cache(k, T, path), _path_cache(v, T, path), D ** -0.5)
+            assert_close(full[:, j:j + 1], expected, atol, rtol, name=f"attention {trial} row {j}")
 
 
 # (B, T, L, Hq, Hk, D): L == T (no cache), GQA + D=80, T*G=102 rows (BLOCK_M=128), T=64 (bit 63 is the sign bit)
@@ -452,10 +504,10 @@ def test_batched_rows_runs_a_block_as_one_call(monkeypatch):
     """Inside batched_rows() (a prefill) a verify-sized block is one batched call, not row by row."""
     import importlib
 
-    attn_mod = importlib.import_module("graphspec.kernels.attention")
+    cpu_mod = importlib.import_module("graphspec.kernels._attention_cpu")
     rowwise = []
-    real = attn_mod._rowwise
-    monkeypatch.setattr(attn_mod, "_rowwise", lambda *a, **kw: rowwise.append(1) or real(*a, **kw))
+    real = cpu_mod.attend
+    monkeypatch.setattr(cpu_mod, "attend", lambda *a, **kw: rowwise.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 12, 4, 64, generator=g)
     k = torch.randn(1, 30, 2, 64, generator=g)

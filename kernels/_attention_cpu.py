@@ -1,0 +1,121 @@
+"""The CPU verify path of ``graphspec.kernels.attention`` as one TorchScript function.
+
+A speculative verify's query row must come out bit-identical to the one-token step at its position,
+or bf16 greedy speculative output drifts from autoregressive. Torch's CPU SDPA rounds a row
+differently depending on how many query rows share its call, so each row of a verify block runs as
+its own one-row call, the call a one-token step makes (``attention_ref``): fp32 q, k, v, the row's
+query heads grouped per kv head, over exactly the keys it sees, laid out as that step's cache has
+them. A chain row (it sees the new keys 0..j) reads a slice of the cache; any other tree row first
+has its path's keys written into the slots after the cache of a working fp32 copy.
+
+Why TorchScript: a row is five torch calls (slices, a transpose, the SDPA), and from the Python
+interpreter their per-call cost was larger than the arithmetic. The same calls from TorchScript's
+interpreter take the same kernels, so the same bits (tested against one-token calls,
+``tests/kernels/test_attention.py``). Qwen2.5-1.5B's shapes (12 query heads, 2 kv heads, 265 cached
+keys), bf16, 2 threads, each call right after a 27 MB GEMM as in a forward, microseconds a layer
+before -> after: 9 chain rows 458-466 -> 363-382, a 9-node beam tree 611-635 -> 503-509, a 6-node
+tree 454-482 -> 402-413. Whole verify forwards of the 1.5B, paired: 9 chain rows 166.8 -> 164.3 ms,
+the beam tree 171.2 -> 167.8, the 6-node tree 163.9 -> 161.7 (perf/RESULTS.md section Z).
+
+A batched recipe was tried first and not kept: every row split at a multiple of 16 keys into two flash
+calls batched over rows and merged by log-sum-exp, the same recipe for one-token steps. It was exact
+(it passed the same bitwise tests) and cut a 9-node beam tree to 448 us, but a one-token step then cost 262 us a layer
+against 143, and a one-token step is every token of autoregressive decoding.
+
+The row plan (which slots each row rewrites) depends only on the tree, so it is made once per forward
+and shared by the layers. No ``__future__`` annotations in this file: TorchScript reads them as written.
+"""
+
+import functools
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lengths: List[int],
+          writes: List[List[int]], rewrites: bool, aliased: bool) -> torch.Tensor:
+    """Row j of ``q [B, T, Hq, D]`` over its ``base + lengths[j]`` keys of ``k, v [B, L, Hk, D]``.
+
+    ``writes[j]``: pairs (slot offset i, new node n) to write before row j, so that slots
+    ``base .. base + lengths[j] - 1`` hold row j's path; ``rewrites``: whether any row writes;
+    ``aliased``: k and v are fp32 already (so the working copy must be a copy, never the cache).
+    """
+    b, t, hq, d = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    hk = k.shape[2]
+    base = k.shape[1] - t
+    qf = q.float().reshape(b, t, hk, hq // hk, d).permute(0, 2, 1, 3, 4)  # [B, Hk, T, G, D]
+    kt = k.float().transpose(1, 2)  # [B, Hk, L, D]
+    vt = v.float().transpose(1, 2)
+    new_k, new_v = kt, vt
+    if rewrites:
+        new_k = kt[:, :, base:].clone()  # the new block, before any write
+        new_v = vt[:, :, base:].clone()
+        if aliased:
+            kt, vt = kt.clone(), vt.clone()
+    outs: List[torch.Tensor] = []
+    for j in range(t):
+        pairs = writes[j]
+        for w in range(0, len(pairs), 2):
+            kt[:, :, base + pairs[w]] = new_k[:, :, pairs[w + 1]]
+            vt[:, :, base + pairs[w]] = new_v[:, :, pairs[w + 1]]
+        n = base + lengths[j]
+        outs.append(F.scaled_dot_product_attention(qf[:, :, j], kt[:, :, :n], vt[:, :, :n], scale=scale))
+    return torch.stack(outs, 1).reshape(b, t, hq, d).to(q.dtype)  # [B, Hk, G, D] each -> [B, T, Hq, D]
+
+
+class RowPlan:
+    """Per row: how many new keys it sees, and the slot writes that lay its path out after the cache.
+
+    Rows go in order; slot i after the cache holds new node i until a row needs another node there,
+    and a later row needing node i back (a chain row after a branched one) writes it back.
+    """
+
+    def __init__(self, paths: List[List[int]]):
+        self.lengths = [len(path) for path in paths]
+        held = list(range(len(paths)))
+        self.writes: List[List[int]] = []
+        for path in paths:
+            pairs: List[int] = []
+            for i, node in enumerate(path):
+                if held[i] != node:
+                    pairs += [i, node]
+                    held[i] = node
+            self.writes.append(pairs)
+        self.rewrites = any(self.writes)
+
+
+_PLANS: Dict[tuple, RowPlan] = {}
+_PLANS_MAX = 32
+
+
+def plan(tree: Optional[torch.Tensor], T: int) -> RowPlan:
+    """The ``RowPlan`` of T rows: a chain (``tree`` None) or the checked CPU ``tree [T, T]``; cached, since
+    every layer of a forward asks for the same one."""
+    key = (T, None if tree is None else tree.numpy().tobytes())
+    found = _PLANS.get(key)
+    if found is None:
+        if tree is None:
+            paths = [list(range(j + 1)) for j in range(T)]
+        else:
+            paths = [[i for i, x in enumerate(row) if x] for row in tree.tolist()]
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        found = _PLANS[key] = RowPlan(paths)
+    return found
+
+
+@functools.cache
+def scripted_rows():
+    """:func:`_rows` compiled by TorchScript (once per process)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # as in graphspec.models.lean_int8
+        return torch.jit.script(_rows)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           tree: Optional[torch.Tensor]) -> torch.Tensor:
+    """Row-exact attention of checked CPU inputs ``q [B, T, Hq, D]``, ``k, v [B, L, Hk, D]``, ``tree [T, T]``."""
+    p = plan(tree, q.shape[1])
+    return scripted_rows()(q, k, v, scale, p.lengths, p.writes, p.rewrites, k.dtype == torch.float32)
