@@ -13,8 +13,8 @@ interpreter their per-call cost was larger than the arithmetic. The same calls f
 interpreter take the same kernels, so the same bits (tested against one-token calls,
 ``tests/kernels/test_attention.py``). Qwen2.5-1.5B's shapes (12 query heads, 2 kv heads, 265 cached
 keys), bf16, 2 threads, each call right after a 27 MB GEMM as in a forward, microseconds a layer
-before -> after: 9 chain rows 458-466 -> 363-382, a 9-node beam tree 611-635 -> 503-509, a 6-node
-tree 454-482 -> 402-413. Whole verify forwards of the 1.5B, paired: 9 chain rows 166.8 -> 164.3 ms,
+before (three runs) -> after: 9 chain rows 458-466 -> 382, a 9-node beam tree 611-635 -> 509, a
+6-node tree 454-482 -> 413. Whole verify forwards of the 1.5B, paired: 9 chain rows 166.8 -> 164.3 ms,
 the beam tree 171.2 -> 167.8, the 6-node tree 163.9 -> 161.7 (perf/RESULTS.md section Z).
 
 A batched recipe was tried first and not kept: every row split at a multiple of 16 keys into two flash

@@ -15,7 +15,8 @@ milliseconds per forward, and whether the tokens equal the autoregressive ones.
 ``--thresholds`` several draft confidence thresholds (``none``: always draft K), ``--siblings``
 several ``draft_siblings`` values for the 0.5B (draft trees) and ``--cross-siblings`` for SmolLM2 (trees
 across tokenizers: each sibling's text re-tokenized), ``--cross-beams`` ``draft_beam`` widths for SmolLM2
-as an int8 draft (draft beams). ``--no-model`` / ``--no-cross`` leave a draft out.
+as an int8 draft (draft beams; with the ``vocab`` kind also at each ``--vocab``). ``--no-model`` / ``--no-cross``
+leave a draft out.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ def main(argv=None) -> int:
                     tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "") + f" beam={w}"
                     methods[f"{tag} int8"] = graphspec.Pipeline(target, int8, k, draft_beam=w,
                                                                 draft_confidence_threshold=th)
+                    for n in args.vocab if "vocab" in args.kinds else ():
+                        if n < int8.config.vocab_size:
+                            methods[f"{tag} int8 vocab {n}"] = graphspec.Pipeline(
+                                target, int8, k, draft_beam=w, draft_confidence_threshold=th, draft_vocab=n)
     print(f"# {machine_info()}", flush=True)
     for pipe in methods.values():  # warm-up
         pipe.run(prompts[0], max_new_tokens=3)
