@@ -8,10 +8,10 @@ query heads grouped per kv head, over exactly the keys it sees, laid out as that
 them. A chain row (it sees the new keys 0..j) reads a slice of the cache; any other tree row first
 has its path's keys written into the slots after the cache of a working fp32 copy.
 
-Why TorchScript: a row is five torch calls (slices, a transpose, the SDPA), and from the Python
-interpreter their per-call cost was larger than the arithmetic. The same calls from TorchScript's
-interpreter take the same kernels, so the same bits (tested against one-token calls,
-``tests/kernels/test_attention.py``). Qwen2.5-1.5B's shapes (12 query heads, 2 kv heads, 265 cached
+Why TorchScript: from Python a row took about a dozen torch calls (slices, reshapes, casts, the SDPA),
+and their per-call cost was larger than the arithmetic. Here a row is its slices and its SDPA, run
+by TorchScript's interpreter: the same kernels on the same values, so the same bits (tested against
+one-token calls, ``tests/kernels/test_attention.py``). Qwen2.5-1.5B's shapes (12 query heads, 2 kv heads, 265 cached
 keys), bf16, 2 threads, each call right after a 27 MB GEMM as in a forward, microseconds a layer
 before (three runs) -> after: 9 chain rows 458-466 -> 382, a 9-node beam tree 611-635 -> 509, a
 6-node tree 454-482 -> 413. Whole verify forwards of the 1.5B, paired: 9 chain rows 166.8 -> 164.3 ms,
