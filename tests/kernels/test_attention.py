@@ -244,11 +244,9 @@ EXACT_TRIALS = [
 
 
 def _exact_trial(trial, dtype, g):
+    """One trial's q and its k, v as the model passes them (strided slices of a cache), and its tree."""
     T, cached, kind, (B, Hq, Hk, D) = trial
-    L = cached + T
-    q = torch.randn(B, T, Hq, D, generator=g).to(dtype)
-    k = torch.randn(B, L, Hk, D, generator=g).to(dtype)
-    v = torch.randn(B, L, Hk, D, generator=g).to(dtype)
+    q, k, v = _inputs(B, T, cached + T, Hq, Hk, D, dtype)
     parents = _deep_parents(T) if kind == "deep" else _random_parents(T, g)
     return q, k, v, parents
 
