@@ -115,7 +115,7 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                         "chain left unused (model drafts, with either tokenizer; output unchanged); 0: a chain; "
                         "auto (the default) = 4 for a model draft")
     p.add_argument("--draft-beam", type=_nonneg_int, default=0, metavar="W",
-                   help="grow a cross-tokenizer CPU draft's tree best first, W paths a forward (greedy runs; output "
+                   help="grow a CPU model draft's tree best first, W paths a forward (greedy runs; output "
                         "unchanged); K then bounds the tree: try -k 8 --draft-beam 2 where verify rows are cheap "
                         "(AMX); 0 (the default): no beam")
     p.add_argument("--draft-confidence", type=_confidence, default=argparse.SUPPRESS, metavar="P",

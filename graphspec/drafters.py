@@ -19,6 +19,10 @@ and ``draft_probs`` (``[1, k, V_target]`` fp32, or None when the draft carries n
   ``sibling_slots``, ``draw_siblings``, shared with the cross-vocabulary drafter) fill the verify
   rows the chain left unused, and it writes ``draft_parents`` (see ``TreeVerify``). Its own cache
   then keeps only the chain tokens that were committed, since the target may take a sibling.
+  With ``beam=w`` (greedy runs, CPU) it grows the tree best first instead (``grow_beam``, shared with
+  the cross-vocabulary drafter): each forward after the first feeds the w likeliest nodes of the
+  newest level as w rows under a tree mask over the cached nodes, and the K likeliest nodes are
+  proposed; the next step keeps the cached nodes of the path the target took (``KVCache.keep``).
 - ``NgramDrafter`` (prompt lookup): proposes the continuation of the most recent earlier
   occurrence of the last n committed tokens, n = max_ngram .. min_ngram. An index from n-gram to
   its latest end position is updated with the new tokens only, so a step costs O(new tokens);
@@ -28,14 +32,18 @@ and ``draft_probs`` (``[1, k, V_target]`` fp32, or None when the draft carries n
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from graphspec.graph import Stage
 from graphspec.kernels import batched_rows
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
-__all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "DraftHead", "ModelDrafter", "NgramDrafter", "draw_siblings",
-           "draft_vocab_ids", "rows_logits", "sibling_slots"]
+__all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "BEAM_STOP_PROBABILITY", "BeamTree", "DraftHead", "ModelDrafter",
+           "NgramDrafter", "SAME_VOCAB_BEAM_STOP_PROBABILITY", "draft_vocab_ids", "draw_siblings", "grow_beam",
+           "rows_logits", "sibling_slots"]
 
 DRAFT_READS = ("tokens", "token_buffer", "num_draft", "params", "generator")
 DRAFT_WRITES = ("draft_ids", "draft_probs")
@@ -83,6 +91,17 @@ def check_beam(value) -> int:
         raise ValueError(f"draft_beam must be an int >= 0 (0: no beam; 2: expand the two likeliest paths per "
                          f"draft forward), got {value!r}")
     return value
+
+
+def check_beam_threshold(value, auto: float) -> float:
+    """A beam's stop probability: ``value`` in [0, 1), ``auto`` for "auto", 0.0 (never stop) for None."""
+    if value == "auto":
+        return auto
+    if value is None:
+        return 0.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ValueError(f"beam_threshold must be a probability in [0, 1), 'auto' or None, got {value!r}")
+    return float(value)
 
 
 def check_confidence_threshold(value, allow_auto: bool = False) -> float | str | None:
@@ -268,6 +287,127 @@ def rows_logits(model, head: DraftHead | None, new: torch.Tensor, cache, positio
     return full.index_copy_(1, head.ids, part)
 
 
+# A beam (``draft_beam=w``) stops growing once its likeliest path's draft probability falls below its
+# threshold or after BEAM_MAX_DEPTH forwards, and keeps this many children per node beyond its width
+# (the root: twice as many): the settings of the replay that chose the design (perf/RESULTS.md).
+# The threshold "auto" means: BEAM_STOP_PROBABILITY across tokenizers (CrossVocabDrafter, SmolLM2's sweeps)
+# and SAME_VOCAB_BEAM_STOP_PROBABILITY with the target's tokenizer (ModelDrafter: the 0.5B's paired sweep,
+# 0.25 / 0.35 / 0.45 gave 2.14x / 2.09x / 2.06x our autoregressive, perf/RESULTS.md section W).
+BEAM_STOP_PROBABILITY = 0.15
+SAME_VOCAB_BEAM_STOP_PROBABILITY = 0.25
+BEAM_EXTRA_CHILDREN = 2
+BEAM_MAX_DEPTH = 6  # forwards a step at most (6, 8, 10 within 1% of each other at K=10, 4 prompts x 64)
+
+
+@dataclasses.dataclass
+class BeamTree:
+    """A draft tree grown by :func:`grow_beam`, as proposed: ``ids[r]`` with parent ``parents[r]`` (0: the
+    root, else the parent's row + 1, as ``draft_parents``), ``slots[r]`` the draft-cache slot that node was
+    fed at (-1: a leaf, never fed), ``base`` the cache length before the first node."""
+
+    ids: list[int]
+    parents: list[int]
+    slots: list[int]
+    base: int
+
+    def taken_slots(self, committed: list[int]) -> list[int]:
+        """The cache slots of the tree path ``committed`` (the tokens committed after ``base``) spells, while fed."""
+        out, row_of_parent = [], 0
+        for tok in committed:
+            row = next((r for r, (t, p) in enumerate(zip(self.ids, self.parents)) if p == row_of_parent and t == tok),
+                       None)
+            if row is None or self.slots[row] < 0:
+                break
+            out.append(self.slots[row])
+            row_of_parent = row + 1
+        return out
+
+
+def grow_beam(model, head: DraftHead | None, cache, new: torch.Tensor, k: int, width: int, threshold: float,
+              log_probs, run, skip=frozenset()) -> BeamTree:
+    """A greedy draft tree grown best first (after EAGLE-2's dynamic trees): up to ``k`` draft tokens.
+
+    The first forward feeds ``new`` (what the cache lacks) and ranks the first tokens. Each later forward
+    feeds the ``width`` likeliest nodes of the deepest level as ``width`` rows of one draft step: the
+    cache holds earlier levels' nodes, and a ``[rows, m]`` tree mask over them lets each row see only its
+    own ancestors. A node's score is its path's draft probability; growth stops at depth ``k`` (or
+    BEAM_MAX_DEPTH forwards), once the level's best path scores below ``threshold``, once the cache is
+    full, or once k nodes outscore it (a child never scores above its parent, so nothing deeper could
+    be proposed). The tree proposed is the ``k`` best-scoring nodes (each with its parent: scores only
+    fall along a path). Greedy acceptance takes the longest branch the target agrees with, so any tree
+    is lossless; sampled runs never come here (rejection sampling needs drafted, not ranked, tokens).
+    ``log_probs(logits [n, V]) -> [n, V']``: the draft's log-probabilities over what it may propose;
+    ``skip``: ids never proposed. Counts its forwards in ``run.draft_forwards``.
+    """
+    base = cache.length + new.shape[1]
+    capacity = cache.capacity
+    toks: list[int] = []
+    parent: list[int] = []   # node index, -1: the root
+    score: list[float] = []  # log of the path's draft probability
+    depth: list[int] = []
+    slot: list[int] = []     # cache slot once fed, else -1
+
+    def children(lp: torch.Tensor, of: int, how_many: int) -> list[int]:
+        """Add node ``of``'s ``how_many`` likeliest children from its log-probabilities ``lp [V]``."""
+        vals, idx = torch.topk(lp, min(how_many + len(skip), lp.shape[-1]))
+        at = 0.0 if of < 0 else score[of]
+        added = []
+        for v, t in zip(vals.tolist(), idx.tolist()):
+            if v == float("-inf") or t in skip:
+                continue
+            if len(added) == how_many:
+                break
+            toks.append(t)
+            parent.append(of)
+            score.append(at + v)
+            slot.append(-1)
+            depth.append(1 if of < 0 else depth[of] + 1)
+            added.append(len(toks) - 1)
+        return added
+
+    root = log_probs(next_logits(model, head, new, cache))
+    run.draft_forwards += 1
+    level = children(root[0], -1, 2 * (width + BEAM_EXTRA_CHILDREN))
+    floor = math.log(threshold) if threshold > 0 else float("-inf")
+    for _ in range(min(k, BEAM_MAX_DEPTH) - 1):
+        level = sorted(level, key=lambda n: -score[n])[:width]
+        if not level or score[level[0]] < floor or cache.length + len(level) > capacity:
+            break
+        if sum(1 for x in score if x > score[level[0]]) >= k:  # no descendant could make the k best
+            break
+        m = cache.length - base + len(level)  # tree columns: cached nodes, then this level
+        mask = torch.zeros(len(level), m, dtype=torch.bool)
+        for r, n in enumerate(level):
+            mask[r, m - len(level) + r] = True
+            a = parent[n]
+            while a >= 0:
+                mask[r, slot[a] - base] = True
+                a = parent[a]
+        ids = torch.tensor([[toks[n] for n in level]], dtype=torch.int64, device=run.device)
+        positions = torch.tensor([[base + depth[n] - 1 for n in level]], dtype=torch.int64, device=run.device)
+        first = cache.length
+        out = log_probs(rows_logits(model, head, ids, cache, positions, mask.to(run.device)))
+        run.draft_forwards += 1
+        nxt: list[int] = []
+        for r, n in enumerate(level):
+            slot[n] = first + r
+            nxt.extend(children(out[r], n, width + BEAM_EXTRA_CHILDREN))
+        level = nxt
+    chosen: dict[int, int] = {}  # node -> row
+    out_ids: list[int] = []
+    out_parents: list[int] = []
+    for n in sorted(range(len(toks)), key=lambda n: (-score[n], depth[n])):
+        if len(out_ids) >= k:
+            break
+        a = parent[n]
+        if a >= 0 and a not in chosen:
+            continue
+        chosen[n] = len(out_ids)
+        out_ids.append(toks[n])
+        out_parents.append(0 if a < 0 else chosen[a] + 1)
+    return BeamTree(out_ids, out_parents, [slot[n] for n in chosen], base)
+
+
 class ModelDrafter(Stage):
     """Draft with a (smaller) language model that shares the target's vocabulary."""
 
@@ -279,14 +419,22 @@ class ModelDrafter(Stage):
     sibling_min_score = 0.0
 
     def __init__(self, model, name: str = "draft", confidence_threshold: float | None = None, draft_vocab=None,
-                 siblings: int = 0):
+                 siblings: int = 0, beam: int = 0, beam_threshold: float | str | None = "auto"):
         super().__init__(name)
         self.siblings = check_siblings(siblings)
-        if self.siblings:  # a draft tree: the verify and accept stages must read its shape
-            self.writes = DRAFT_WRITES + ("draft_parents",)
+        # A beam (greedy runs): the tree grows best first, each forward after the first feeding the ``beam``
+        # likeliest paths as rows (grow_beam); sampled runs draft a chain (with siblings) as without it.
+        self.beam = check_beam(beam)
+        self.beam_threshold = check_beam_threshold(beam_threshold, SAME_VOCAB_BEAM_STOP_PROBABILITY)
         for attr in ("step", "new_cache", "config"):
             if not hasattr(model, attr):
                 raise ValueError(f"ModelDrafter needs a graphspec model (with .{attr}); got {type(model).__name__}")
+        if self.beam and torch.device(model.device).type != "cpu":
+            raise ValueError(f"a draft beam grows its tree over cached nodes, which the attention op masks on the CPU "
+                             f"only; the draft is on {model.device}: use draft_beam=0 there")
+        self.tree = bool(self.siblings or self.beam)
+        if self.tree:  # a draft tree: the verify and accept stages must read its shape
+            self.writes = DRAFT_WRITES + ("draft_parents",)
         self.model = model
         # draft vocabulary pruning (see DraftHead); None computes every logit
         self.head = DraftHead.build(model, draft_vocab)
@@ -316,14 +464,23 @@ class ModelDrafter(Stage):
         k = state.num_draft
         if k <= 0:
             _empty_draft(state)
-            if self.siblings:
+            if self.tree:
                 state.draft_parents = ()
             return
         run = state.run
         scratch = state.scratch(self)
         cache = scratch["cache"]
         n = len(state.tokens)
-        if self.siblings:
+        last: BeamTree | None = scratch.pop("beam", None)
+        if last is not None:
+            # The last step was a beam: keep the cached nodes of the path the target took, drop the rest
+            # (the pending token stays out, as ever).
+            kept = last.taken_slots(state.tokens[last.base:n - 1])
+            if kept and cache.length > last.base:
+                cache.keep(last.base, kept)
+            else:
+                cache.truncate(min(cache.length, last.base))
+        elif self.siblings:
             # The target may have taken a sibling where this cache holds the chain's token: keep only
             # the chain tokens that were committed.
             start, fed = scratch.get("fed", (n, []))
@@ -338,6 +495,14 @@ class ModelDrafter(Stage):
             cache.truncate(min(cache.length, n - 1))
         new = state.token_buffer[cache.length:n].view(1, -1)
         V = run.vocab_size
+        if self.beam and state.params.greedy:
+            tree = grow_beam(self.model, self.head, cache, new, k, self.beam, self.beam_threshold,
+                             lambda logits: torch.log_softmax(logits[:, :V], dim=-1), run)
+            scratch["beam"] = tree
+            state.draft_ids = torch.tensor([tree.ids], dtype=torch.int64, device=run.device).view(1, -1)
+            state.draft_probs = None
+            state.draft_parents = tuple(tree.parents)
+            return
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []  # per depth, the distribution siblings are ranked (and drawn) by
@@ -363,6 +528,8 @@ class ModelDrafter(Stage):
                 ids.append(torch.tensor([t], dtype=torch.int64, device=run.device))
                 if probs:
                     probs.append(probs[depth])
+        elif self.tree:  # a beam drafter's sampled run: a chain, written as a tree
+            state.draft_parents = tuple(range(len(ids)))
         state.draft_ids = torch.stack(ids, dim=1)  # [1, k]
         if not probs:
             state.draft_probs = None

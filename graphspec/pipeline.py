@@ -227,12 +227,15 @@ class Pipeline:
     lossless at every temperature). Across tokenizers, TLI maps each sibling to its one target id and
     SLEM re-tokenizes each sibling's text into a branch of target ids (``graphspec.vocab_stages``).
     "auto": ``AUTO_DRAFT_SIBLINGS`` for a model draft (the CLI's default), a chain for prompt lookup.
-    ``draft_beam=w`` (a CPU draft with another tokenizer, greedy runs): the draft grows its tree best first
-    instead, each forward after the first expanding its w likeliest paths as w rows, and proposes its K
-    likeliest nodes (``CrossVocabDrafter._beam``); K then bounds the tree's draft tokens, its depth and its
-    target rows, and ``draft_confidence_threshold`` is the path probability below which it stops growing
-    ("auto": ``graphspec.vocab_stages.BEAM_STOP_PROBABILITY``, 0.15; None: never). Pays where extra verify rows are cheap (on the AMX Xeon of the README, K=8 with w=2);
-    sampled runs draft as without it. 0 (the default): no beam.
+    ``draft_beam=w`` (a CPU model draft, greedy runs): the draft grows its tree best first instead, each
+    forward after the first expanding its w likeliest paths as w rows, and proposes its K likeliest nodes
+    (``graphspec.drafters.grow_beam``; across tokenizers each leaf's text is re-tokenized for the target);
+    K then bounds the tree's draft tokens, its depth and its target rows, and ``draft_confidence_threshold``
+    is the path probability below which it stops growing ("auto": the drafter's own,
+    ``graphspec.drafters.SAME_VOCAB_BEAM_STOP_PROBABILITY``, 0.25, for a draft with the target's tokenizer,
+    ``BEAM_STOP_PROBABILITY``, 0.15, across tokenizers; None: never). Pays where extra verify rows are
+    cheap (on the AMX Xeon of the README, K=8 with w=2); sampled runs draft as without it. 0 (the
+    default): no beam.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
@@ -287,13 +290,9 @@ class Pipeline:
                                  draft_vocab, siblings, beam,
                                  threshold)
             if cross is None:
-                if beam:
-                    raise ValueError(f"draft_beam={beam} is for a draft with another tokenizer (the draft's tree is "
-                                     f"re-tokenized for the target); this draft shares the target's: use "
-                                     f"draft_siblings instead")
-                drafter = ModelDrafter(self.draft, draft_vocab=draft_vocab, siblings=siblings,
+                drafter = ModelDrafter(self.draft, draft_vocab=draft_vocab, siblings=siblings, beam=beam,
                                        confidence_threshold=DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
-                                       if threshold == "auto" else threshold)
+                                       if threshold == "auto" else threshold, beam_threshold=threshold)
             else:
                 drafter, mapper = cross
                 between.append(mapper)

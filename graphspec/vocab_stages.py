@@ -49,13 +49,13 @@ size go to ``state.run.extra["vocab"]``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from graphspec.drafters import (DraftHead, check_beam, check_confidence_threshold, check_siblings, draft_confidence,
-                                draw_siblings, next_logits, prefill, rows_logits, sibling_slots)
+from graphspec.drafters import (BEAM_STOP_PROBABILITY, BeamTree, DraftHead, check_beam, check_beam_threshold,
+                                check_confidence_threshold, check_siblings, draft_confidence, draw_siblings, grow_beam,
+                                next_logits, prefill, sibling_slots)
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 from graphspec.kernels.vocab_map import vocab_map, vocab_mask_logits
@@ -73,12 +73,6 @@ TARGET_LOOKBEHIND = 4
 
 DRAFT_OWN_FIELDS = ("draft_own_ids", "draft_own_probs")
 
-# A beam (``CrossVocabDrafter(beam=w)``) stops growing once its likeliest path's draft probability falls
-# below this or after BEAM_MAX_DEPTH forwards, and keeps this many children per node beyond its width
-# (the root: twice as many): the settings of the replay that chose the design (perf/RESULTS.md).
-BEAM_STOP_PROBABILITY = 0.15
-BEAM_EXTRA_CHILDREN = 2
-BEAM_MAX_DEPTH = 6  # forwards a step at most (6, 8, 10 within 1% of each other at K=10, 4 prompts x 64)
 DRAFT_OWN_TREE = "draft_own_parents"  # a draft tree in the draft's own ids (``siblings``), as draft_parents
 
 
@@ -124,8 +118,7 @@ class _DraftText:
     synced: int = 0                # target tokens folded in so far (prompt included)
     fed: list[int] = field(default_factory=list)        # draft ids in the draft's KV cache, in order
     proposals: list[int] = field(default_factory=list)  # the draft ids proposed by the last step
-    # A beam's last tree: (ids, parents as draft_own_parents, cache slot of each node or -1, len(fed) then)
-    tree: tuple | None = None
+    tree: BeamTree | None = None  # a beam's last tree (its base: len(fed) then)
     kept: list[tuple[int, int]] = field(default_factory=list)  # (id, slot) of the taken path's cached nodes
 
     def add_boundary(self, off: int) -> None:
@@ -141,16 +134,14 @@ class CrossVocabDrafter(Stage):
 
     def __init__(self, model, mapping: VocabMapping, target_tokenizer, mode: str = "auto", name: str = "draft",
                  confidence_threshold: float | None = None, draft_vocab=None, siblings: int = 0, beam: int = 0,
-                 beam_threshold: float = BEAM_STOP_PROBABILITY):
+                 beam_threshold: float | str | None = "auto"):
         super().__init__(name)
         # A draft tree (see ModelDrafter): up to ``siblings`` next-best draft tokens beside the chain.
         # TLI maps them one to one; SLEM re-tokenizes each alternative text (VocabMap).
         self.siblings = check_siblings(siblings)
         # A beam (greedy runs): each forward after the first expands the ``beam`` likeliest paths (see _beam).
         self.beam = check_beam(beam)
-        if not isinstance(beam_threshold, (int, float)) or isinstance(beam_threshold, bool) or not 0 <= beam_threshold < 1:
-            raise ValueError(f"beam_threshold must be a probability in [0, 1), got {beam_threshold!r}")
-        self.beam_threshold = float(beam_threshold)
+        self.beam_threshold = check_beam_threshold(beam_threshold, BEAM_STOP_PROBABILITY)
         if self.beam and torch.device(model.device).type != "cpu":
             raise ValueError(f"a draft beam grows its tree over cached nodes, which the attention op masks on the CPU "
                              f"only; the draft is on {model.device}: use draft_beam=0 there")
@@ -268,7 +259,7 @@ class CrossVocabDrafter(Stage):
         # 1) The draft's own proposals that the target kept (byte for byte) stay as they are.
         pos = 0
         if text.tree is not None:  # a beam's tree: the deepest path the committed bytes spell
-            ids, parents, slots, _ = text.tree
+            ids, parents, slots = text.tree.ids, text.tree.parents, text.tree.slots
             path = _spelled_path(ids, parents, [dpieces[d] if d < len(dpieces) else b"" for d in ids], data)
             text.proposals = [ids[j] for j in path]
             text.kept = []
@@ -344,7 +335,7 @@ class CrossVocabDrafter(Stage):
         text: _DraftText = sc["text"]
         self._sync(text, state.tokens)
         if text.tree is not None:  # the last step was a beam: keep its taken path's cached nodes, drop the rest
-            base, cache = text.tree[3], sc["cache"]
+            base, cache = text.tree.base, sc["cache"]
             if text.kept and cache.length > base == len(text.fed):
                 cache.keep(base, [slot for _, slot in text.kept])
                 text.fed.extend(t for t, _ in text.kept)
@@ -383,7 +374,7 @@ class CrossVocabDrafter(Stage):
         new = torch.tensor([own[common:]], dtype=torch.int64, device=device)
         fed.extend(own[common:])
         if beam:
-            self._beam(state, text, sc["cache"], new, k, beam, d2t if tli else spellable, tli, capacity)
+            self._beam(state, text, sc["cache"], new, k, beam, d2t if tli else spellable, tli)
             return
         picks: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
@@ -435,96 +426,24 @@ class CrossVocabDrafter(Stage):
         state.draft_own_probs = torch.stack(probs, dim=1) if probs else None  # [1, k, Vd]
 
     def _beam(self, state, text: _DraftText, cache, new: torch.Tensor, k: int, width: int, allowed: torch.Tensor,
-              tli: bool, capacity: int) -> None:
-        """A greedy draft tree grown best first (after EAGLE-2's dynamic trees): up to ``k`` draft tokens.
+              tli: bool) -> None:
+        """A greedy draft tree grown best first (``graphspec.drafters.grow_beam``) in the draft's own ids.
 
-        The first forward feeds ``new`` (what the cache lacks) and ranks the first tokens. Each later forward
-        feeds the ``width`` likeliest nodes of the deepest level as ``width`` rows of one draft step: the
-        cache holds earlier levels' nodes, and a ``[rows, m]`` tree mask over them lets each row see only its
-        own ancestors. A node's score is its path's draft probability; growth stops at depth ``k``, once
-        the level's best path scores below ``beam_threshold``, or once k nodes outscore it (a child never
-        scores above its parent, so nothing deeper could be proposed). The tree proposed is the ``k`` best-scoring
-        nodes (each with its parent: scores only fall along a path). Greedy acceptance takes the longest
-        branch the target agrees with, so any tree is lossless; sampled runs never come here (rejection
-        sampling needs drafted, not ranked, tokens). The next step keeps the cached nodes of the path the
-        target took (``cache.keep``) and drops the rest.
+        SLEM proposes no special token (see the chain). The next step keeps the cached nodes of the path the
+        target took (``_sync`` finds it, ``cache.keep``) and drops the rest.
         """
-        run = state.run
         vd = self.mapping.draft_vocab_size
-        skip = set() if tli else set(self._draft_special)  # SLEM proposes no special token (see the chain)
-        base = cache.length + new.shape[1]
-        toks: list[int] = []
-        parent: list[int] = []   # node index, -1: the root
-        score: list[float] = []  # log of the path's draft probability
-        depth: list[int] = []
-        slot: list[int] = []     # cache slot once fed, else -1
-
-        def children(lp: torch.Tensor, of: int, how_many: int) -> list[int]:
-            """Add node ``of``'s ``how_many`` likeliest children from its log-probabilities ``lp [V]``."""
-            vals, idx = torch.topk(lp, min(how_many + len(skip), lp.shape[-1]))
-            at = 0.0 if of < 0 else score[of]
-            added = []
-            for v, t in zip(vals.tolist(), idx.tolist()):
-                if v == float("-inf") or t in skip:
-                    continue
-                if len(added) == how_many:
-                    break
-                toks.append(t)
-                parent.append(of)
-                score.append(at + v)
-                slot.append(-1)
-                depth.append(1 if of < 0 else depth[of] + 1)
-                added.append(len(toks) - 1)
-            return added
 
         def log_probs(logits: torch.Tensor) -> torch.Tensor:  # [n, V]: masked to what the mode may propose
             return torch.log_softmax(vocab_mask_logits(logits[:, :vd], allowed), dim=-1)
 
-        root = log_probs(next_logits(self.model, self.head, new, cache))
-        run.draft_forwards += 1
-        level = children(root[0], -1, 2 * (width + BEAM_EXTRA_CHILDREN))
-        floor = math.log(self.beam_threshold) if self.beam_threshold > 0 else float("-inf")
-        for _ in range(min(k, BEAM_MAX_DEPTH) - 1):
-            level = sorted(level, key=lambda n: -score[n])[:width]
-            if not level or score[level[0]] < floor or cache.length + len(level) > capacity:
-                break
-            if sum(1 for x in score if x > score[level[0]]) >= k:  # no descendant could make the k best
-                break
-            m = cache.length - base + len(level)  # tree columns: cached nodes, then this level
-            mask = torch.zeros(len(level), m, dtype=torch.bool)
-            for r, n in enumerate(level):
-                mask[r, m - len(level) + r] = True
-                a = parent[n]
-                while a >= 0:
-                    mask[r, slot[a] - base] = True
-                    a = parent[a]
-            ids = torch.tensor([[toks[n] for n in level]], dtype=torch.int64, device=run.device)
-            positions = torch.tensor([[base + depth[n] - 1 for n in level]], dtype=torch.int64, device=run.device)
-            first = cache.length
-            out = log_probs(rows_logits(self.model, self.head, ids, cache, positions, mask.to(run.device)))
-            run.draft_forwards += 1
-            nxt: list[int] = []
-            for r, n in enumerate(level):
-                slot[n] = first + r
-                nxt.extend(children(out[r], n, width + BEAM_EXTRA_CHILDREN))
-            level = nxt
-        chosen: dict[int, int] = {}  # node -> row
-        out_ids: list[int] = []
-        out_parents: list[int] = []  # as draft_own_parents: 0 the root, else the parent's row + 1
-        for n in sorted(range(len(toks)), key=lambda n: (-score[n], depth[n])):
-            if len(out_ids) >= k:
-                break
-            a = parent[n]
-            if a >= 0 and a not in chosen:
-                continue
-            chosen[n] = len(out_ids)
-            out_ids.append(toks[n])
-            out_parents.append(0 if a < 0 else chosen[a] + 1)
-        text.tree = (out_ids, out_parents, [slot[n] for n in chosen], base)
+        tree = grow_beam(self.model, self.head, cache, new, k, width, self.beam_threshold, log_probs, state.run,
+                         skip=frozenset() if tli else frozenset(self._draft_special))
+        text.tree = tree
         text.proposals = []
-        state.draft_own_ids = torch.tensor([out_ids], dtype=torch.int64, device=run.device).view(1, -1)
+        state.draft_own_ids = torch.tensor([tree.ids], dtype=torch.int64, device=state.run.device).view(1, -1)
         state.draft_own_probs = None
-        state.draft_own_parents = tuple(out_parents)
+        state.draft_own_parents = tuple(tree.parents)
 
     def _empty(self, state) -> None:
         state.draft_own_ids = torch.empty(1, 0, dtype=torch.int64, device=state.run.device)
@@ -668,5 +587,5 @@ def vocab_stages(target, draft, mode: str = "auto", *, cache: bool = True, confi
                                   target_vocab_size=target.config.vocab_size, cache=cache)
     drafter = CrossVocabDrafter(draft, mapping, tt, mode, confidence_threshold=confidence_threshold,
                                 draft_vocab=draft_vocab, siblings=siblings, beam=beam,
-                                beam_threshold=BEAM_STOP_PROBABILITY if beam_threshold == "auto" else beam_threshold or 0.0)
+                                beam_threshold=beam_threshold)
     return drafter, VocabMap(drafter)

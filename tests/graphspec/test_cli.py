@@ -71,7 +71,7 @@ def test_run_with_a_cheap_draft_gives_the_target_text(tiny):
     expected = graphspec.Pipeline(graphspec.load_model(tiny, dtype="float32")).run(
         "def fibonacci(n):", max_new_tokens=12, ignore_eos=True)
     for extra in ((), ("--draft-vocab", "200"), ("--draft-quantize", "none", "--draft-vocab", "50"),
-                  ("--draft-siblings", "2", "--draft-confidence", "0.9")):
+                  ("--draft-siblings", "2", "--draft-confidence", "0.9"), ("-k", "6", "--draft-beam", "2")):
         p = _cli("run", "--target", str(tiny), "--draft", str(tiny), "--dtype", "fp32", "--max-new-tokens", "12",
                  "--ignore-eos", *extra, "def fibonacci(n):")
         assert p.returncode == 0, p.stderr
@@ -132,7 +132,6 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("bench", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "2"), ["--draft-siblings"]),
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-beam", "2", "hi"), ["--draft-beam"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-beam", "-2", "hi"), ["--draft-beam"]),
-    (("run", "--target", "TINY", "--draft", "TINY", "--draft-beam", "2", "hi"), ["draft_beam=2", "draft_siblings"]),
     (("bench", "--target", "TINY", "--draft", "TINY", "--draft-beam", "2"), ["--draft-beam"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),

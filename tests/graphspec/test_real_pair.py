@@ -57,3 +57,19 @@ def test_speculative_greedy_equals_autoregressive(models, baselines, draft_kind,
     if draft_kind == "smollm2":
         assert spec.graph.names == ["draft", "map", "verify", "accept"]
         assert out.stats.vocab["intersection"] > 30000
+
+
+def test_a_beam_with_the_targets_tokenizer_on_real_weights(models, baselines):
+    """draft_beam with a draft sharing the target's tokenizer (the target's own weights in int8, its head pruned
+    as the CLI does): the tree grows past its first forward and the output is the target's."""
+    target, _ = models
+    draft = graphspec.load_model("qwen2.5-coder-0.5b-instruct", dtype="float32", quantize="int8")
+    spec = graphspec.Pipeline(target, draft, num_speculative_tokens=8, draft_beam=2, draft_vocab="auto")
+    assert spec.graph.names == ["draft", "verify", "accept"] and spec.graph["draft"].beam == 2
+    forwards = steps = 0
+    for prompt, base in zip(PROMPTS, baselines):
+        out = spec.run(prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == base.token_ids, (prompt, out.text, base.text)
+        forwards += out.stats.draft_forwards
+        steps += out.stats.steps
+    assert forwards > 1.5 * steps

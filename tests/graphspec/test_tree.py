@@ -1,4 +1,5 @@
-"""Draft trees (``draft_siblings``): greedy output equals the target's, sampling keeps its distribution.
+"""Draft trees (``draft_siblings``, ``draft_beam``): greedy output equals the target's, sampling keeps its
+distribution.
 
 A tree step verifies a chain plus sibling leaves in one forward (``TreeVerify``) and walks the
 longest accepted path (``TreeAcceptance``). The toy models make the statistical test cheap (see
@@ -32,18 +33,24 @@ def _tree_pipe(target=None, draft=None, k=4, siblings=3, threshold=0.7, **kw):
 
 # --------------------------------------------------------------------------------- greedy
 
-@pytest.mark.parametrize("k, siblings, threshold", [(4, 3, 0.7), (3, 1, 0.5), (5, 4, None), (2, 2, 0.9)])
-def test_greedy_tree_output_equals_the_target_alone(k, siblings, threshold):
-    prompts = [PROMPT, [5, 9, 2], [7], [3, 3, 3, 3, 11, 4]]
-    ar = graphspec.Pipeline(_target())
-    tree = _tree_pipe(k=k, siblings=siblings, threshold=threshold)
-    proposed = accepted = 0
+def _greedy_stats(pipe, prompts) -> list:
+    """Each prompt's stats, after checking that the pipeline's greedy tokens are its target's alone."""
+    ar = graphspec.Pipeline(pipe.target)
+    stats = []
     for prompt in prompts:
         want = ar.run(prompt, max_new_tokens=40, ignore_eos=True).token_ids
-        got = tree.run(prompt, max_new_tokens=40, ignore_eos=True)
+        got = pipe.run(prompt, max_new_tokens=40, ignore_eos=True)
         assert got.token_ids == want, prompt
-        proposed += got.stats.tree["siblings_proposed"]
-        accepted += got.stats.tree["siblings_accepted"]
+        stats.append(got.stats)
+    return stats
+
+
+@pytest.mark.parametrize("k, siblings, threshold", [(4, 3, 0.7), (3, 1, 0.5), (5, 4, None), (2, 2, 0.9)])
+def test_greedy_tree_output_equals_the_target_alone(k, siblings, threshold):
+    stats = _greedy_stats(_tree_pipe(k=k, siblings=siblings, threshold=threshold),
+                          [PROMPT, [5, 9, 2], [7], [3, 3, 3, 3, 11, 4]])
+    proposed = sum(s.tree["siblings_proposed"] for s in stats)
+    accepted = sum(s.tree["siblings_accepted"] for s in stats)
     if threshold is not None:  # chains stopped early: siblings were proposed and some taken
         assert proposed > 0 and accepted > 0, (proposed, accepted)
     else:  # full chains leave no rows for siblings
@@ -139,6 +146,85 @@ def test_a_tree_rule_without_the_residual_is_detected():
     assert min(pvalues) < 1e-6, pvalues
 
 
+# --------------------------------------------------------------------------------- beams (draft_beam)
+
+def _beam_pipe(target=None, draft=None, k=6, beam=2, threshold=None, **kw):
+    return graphspec.Pipeline(target or _target(), draft=draft or _draft(), num_speculative_tokens=k,
+                              draft_beam=beam, draft_confidence_threshold=threshold, **kw)
+
+
+BEAM_PROMPTS = [PROMPT, [5, 9, 2], [7], [3, 3, 3, 3, 11, 4], [10, 12]]
+
+
+@pytest.mark.parametrize("k, beam, threshold", [(6, 2, None), (4, 3, 0.2), (8, 2, 0.05), (1, 2, None), (3, 1, None)])
+def test_greedy_beam_output_equals_the_target_alone(k, beam, threshold):
+    stats = _greedy_stats(_beam_pipe(k=k, beam=beam, threshold=threshold), BEAM_PROMPTS)
+    if k > 1:  # the beam grows past its first forward
+        assert sum(s.draft_forwards for s in stats) > 1.5 * sum(s.steps for s in stats)
+
+
+def test_a_beam_needs_fewer_verifies_than_a_chain():
+    target, draft = _target(), _draft()
+    chain = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=6, draft_confidence_threshold=None)
+    beam = _beam_pipe(target, draft, k=6, beam=2)
+    steps = {name: sum(p.run(pr, max_new_tokens=60, ignore_eos=True).stats.steps for pr in BEAM_PROMPTS)
+             for name, p in (("chain", chain), ("beam", beam))}
+    assert steps["beam"] < steps["chain"], steps
+
+
+def test_the_beam_draft_cache_keeps_the_taken_path():
+    """Every step's first draft forward sees only committed tokens: the cached prefix plus what it feeds; and
+    the nodes of the path the target took stay cached (kept, not fed again)."""
+    target, draft = _target(), _draft()
+    pipe = _beam_pipe(target, draft, k=6, beam=2)
+    checked = kept = 0
+    for prompt in BEAM_PROMPTS:
+        log: list = []
+        target.log, draft.log = log, log
+        target.name, draft.name = "target", "draft"
+        out = pipe.run(prompt, max_new_tokens=60, ignore_eos=True)
+        final = prompt + out.token_ids
+        base = None
+        for before, entry in zip(log, log[1:]):
+            if before[0] == "target" and entry[0] == "draft":  # a step's first draft forward
+                cached, fed = entry[1], entry[2]
+                assert cached + fed == final[:len(cached) + len(fed)], (cached, fed)
+                kept += base is not None and len(cached) > base
+                base = len(cached) + len(fed)  # where this step's tree starts
+                checked += 1
+    assert checked > 10 and kept > 0, (checked, kept)
+
+
+@pytest.mark.parametrize("params", [T1, T07K], ids=["T1", "T0.7-top5"])
+def test_sampled_runs_with_a_beam_keep_the_target_distribution(params):
+    """Sampled runs draft a chain with siblings (rejection sampling needs drafted tokens, not ranked ones)."""
+    pipe = _beam_pipe(k=3, beam=2, threshold=0.7, draft_siblings=2)
+    pvalues, rate = marginal_pvalues(pipe, PROMPT, params, N_RUNS)
+    assert min(pvalues) > 1e-3, pvalues
+    assert 0.05 < rate < 0.99
+
+
+def test_beam_settings_and_errors():
+    from graphspec.drafters import SAME_VOCAB_BEAM_STOP_PROBABILITY, ModelDrafter
+
+    pipe = graphspec.Pipeline(_target(), draft=_draft(), draft_beam=2)
+    drafter = pipe.graph["draft"]
+    assert isinstance(drafter, ModelDrafter) and drafter.beam == 2
+    assert drafter.beam_threshold == SAME_VOCAB_BEAM_STOP_PROBABILITY
+    assert "draft_parents" in drafter.writes and "draft_parents" in pipe.graph["accept"].reads
+    assert _beam_pipe(threshold=None).graph["draft"].beam_threshold == 0.0
+    assert _beam_pipe(threshold=0.3).graph["draft"].beam_threshold == 0.3
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="draft_beam must be an int >= 0"):
+            graphspec.Pipeline(_target(), draft=_draft(), draft_beam=bad)
+    with pytest.raises(ValueError, match="beam_threshold must be a probability"):
+        ModelDrafter(_draft(), beam=2, beam_threshold=1.0)
+    with pytest.raises(ValueError, match="verifies a draft tree"):
+        _beam_pipe(acceptance="greedy")
+    with pytest.raises(ValueError, match="masks on the CPU only"):
+        ModelDrafter(ToyLM(16, seed=1, device="meta"), beam=2)
+
+
 # --------------------------------------------------------------------------------- stats and errors
 
 def test_stats_count_depths_not_nodes():
@@ -231,22 +317,29 @@ def test_tree_forward_rows_equal_causal_forwards_of_each_path(tiny_dirs, dtype, 
             torch.testing.assert_close(a[:, :L + 3].float(), b[:, :L + 3].float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tree_on_transformers_equals_autoregressive(tiny_dirs, dtype):
+@pytest.mark.parametrize("dtype, quantize, beam", [(torch.float32, None, 0), (torch.bfloat16, None, 0),
+                                                   (torch.float32, None, 2), (torch.bfloat16, None, 2),
+                                                   (torch.bfloat16, "int8", 2)])
+def test_greedy_tree_on_transformers_equals_autoregressive(tiny_dirs, dtype, quantize, beam):
     target = graphspec.load_model(tiny_dirs[0], dtype=dtype)
-    draft = graphspec.load_model(tiny_dirs[1], dtype=dtype)
+    draft = graphspec.load_model(tiny_dirs[1], dtype=dtype, quantize=quantize)
     ar = graphspec.Pipeline(target)
-    tree = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=5, draft_confidence_threshold=0.6,
-                              draft_siblings=3)
+    tree = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=7 if beam else 5,
+                              draft_confidence_threshold=None if beam else 0.6, draft_siblings=0 if beam else 3,
+                              draft_beam=beam)
     g = torch.Generator().manual_seed(5)
-    taken = 0
+    taken = forwards = steps = 0
     for n in (1, 7, 30):
         prompt = torch.randint(0, 96, (n,), generator=g).tolist()
         want = ar.run(prompt, max_new_tokens=48, ignore_eos=True).token_ids
         got = tree.run(prompt, max_new_tokens=48, ignore_eos=True)
         assert got.token_ids == want, n
         taken += got.stats.tree["siblings_accepted"]
+        forwards += got.stats.draft_forwards
+        steps += got.stats.steps
     assert taken > 0
+    if beam:
+        assert forwards > 1.5 * steps  # the beam grew past its first forward
 
 
 def test_greedy_tree_through_the_triton_kernels(tmp_path, monkeypatch):
