@@ -9,13 +9,13 @@ milliseconds per forward, and whether the tokens equal the autoregressive ones.
 
     .venv/bin/python perf/draft_sweep.py [--tokens 48] [--prompts 3] [--dtype bf16] [--threads 1]
         [--draft-k 5] [--cross-k 4] [--kinds plain int8 vocab] [--vocab 32768 16384] [--thresholds 0.4]
-        [--siblings 0 2] [--cross-siblings 0 2] [--cross-beams 2 3] [--no-model] [--no-cross]
+        [--siblings 0 2] [--cross-siblings 0 2] [--beams 2] [--cross-beams 2 3] [--no-model] [--no-cross]
 
 ``--draft-k`` / ``--cross-k`` take several values to sweep the speculation length of each draft,
 ``--thresholds`` several draft confidence thresholds (``none``: always draft K), ``--siblings``
 several ``draft_siblings`` values for the 0.5B (draft trees) and ``--cross-siblings`` for SmolLM2 (trees
-across tokenizers: each sibling's text re-tokenized), ``--cross-beams`` ``draft_beam`` widths for SmolLM2
-as an int8 draft (draft beams; with the ``vocab`` kind also at each ``--vocab``). ``--no-model`` / ``--no-cross``
+across tokenizers: each sibling's text re-tokenized), ``--beams`` / ``--cross-beams`` ``draft_beam`` widths for
+the 0.5B / SmolLM2 as an int8 draft (draft beams; with the ``vocab`` kind also at each ``--vocab``). ``--no-model`` / ``--no-cross``
 leave a draft out.
 """
 
@@ -49,6 +49,10 @@ def main(argv=None) -> int:
                     help=f"draft_siblings values to try for {DRAFT} (0: a chain)")
     ap.add_argument("--cross-siblings", type=int, nargs="+", default=[0],
                     help=f"draft_siblings values to try for {CROSS_DRAFT} (0: a chain)")
+    ap.add_argument("--beams", type=int, nargs="+", default=[],
+                    help=f"draft_beam widths to try for {DRAFT} as an int8 draft (whole, and with each --vocab if "
+                         "vocab is in --kinds), at each --draft-k and threshold (a tree grown best first; with "
+                         "'auto' thresholds the beam's own 0.25)")
     ap.add_argument("--cross-beams", type=int, nargs="+", default=[],
                     help=f"draft_beam widths to try for {CROSS_DRAFT} as an int8 draft, at each --cross-k and "
                          "threshold (a tree grown best first; with 'auto' thresholds the beam's own 0.15)")
@@ -94,8 +98,9 @@ def main(argv=None) -> int:
                     for pname, pipe in methods.items():
                         if pname.startswith(tag + " ") or pname == tag:
                             pipe.graph["draft"].sibling_min_score = min_score
-            if name == CROSS_DRAFT and int8 is not None:  # draft beams (int8 only)
-                for th, w in ((th, w) for th in args.thresholds for w in args.cross_beams if w):
+            if int8 is not None:  # draft beams (int8 only)
+                for th, w in ((th, w) for th in args.thresholds
+                              for w in (args.cross_beams if name == CROSS_DRAFT else args.beams) if w):
                     tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "") + f" beam={w}"
                     methods[f"{tag} int8"] = graphspec.Pipeline(target, int8, k, draft_beam=w,
                                                                 draft_confidence_threshold=th)

@@ -40,16 +40,24 @@ from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E4
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # spec_0.5b and spec_smollm2 draft trees (draft_siblings "auto", as the CLI); the *_chain methods are the same
-# pairs as plain chains, so one run compares the two; spec_smollm2_beam grows SmolLM2's tree best first
-# (Pipeline(draft_beam=BEAM_WIDTH), K = --k-cross-beam).
-METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "spec_smollm2_beam", "ngram")
+# pairs as plain chains, so one run compares the two; spec_0.5b_beam and spec_smollm2_beam grow the draft's tree
+# best first (Pipeline(draft_beam=BEAM_WIDTH), K = --k-model-beam / --k-cross-beam).
+METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_0.5b_beam", "spec_smollm2", "spec_smollm2_chain",
+           "spec_smollm2_beam", "ngram")
 BEAM_WIDTH = 2
+# K per method (the --k-* defaults; perf/test_e2e.py runs these too). SmolLM2 (bf16, 4 prompts x 64 tokens,
+# perf/baselines/e2e-cpu/draft_sweep-bf16-cross-siblings*.txt): as a tree K=5 beat K=4 by 2-6% in two sweeps
+# (6 rows is where this CPU's verify cost is still flat); as a chain K=4 beat K=5. Beams: K=8 (README,
+# "Draft beams").
+DEFAULT_K = {"spec_0.5b": 5, "spec_0.5b_chain": 5, "spec_0.5b_beam": 8, "spec_smollm2": 5, "spec_smollm2_chain": 4,
+             "spec_smollm2_beam": 8, "ngram": 4}
 HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
 # Every model draft's early-stop threshold, passed to Pipeline and recorded in the JSON (as the CLI: 0.4 for a
 # draft with the target's tokenizer, 0.3 for one with another).
 DRAFT_CONFIDENCE = "auto"
 # Which transformers run each graphspec method is compared with.
 HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_0.5b_chain": "hf_assist_0.5b",
+           "spec_0.5b_beam": "hf_assist_0.5b",
            "spec_smollm2": "hf_assist_smollm2", "spec_smollm2_chain": "hf_assist_smollm2",
            "spec_smollm2_beam": "hf_assist_smollm2", "ngram": "hf_ar"}
 
@@ -126,7 +134,8 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
     target = model(TARGET)
     if method == "ar":
         pipe = graphspec.Pipeline(target)
-    elif method in ("spec_0.5b", "spec_0.5b_chain", "spec_smollm2", "spec_smollm2_chain", "spec_smollm2_beam"):
+    elif method in ("spec_0.5b", "spec_0.5b_chain", "spec_0.5b_beam", "spec_smollm2", "spec_smollm2_chain",
+                    "spec_smollm2_beam"):
         name = DRAFT if method.startswith("spec_0.5b") else CROSS_DRAFT
         pipe = graphspec.Pipeline(target, draft=model(name, draft_quantize), num_speculative_tokens=k,
                                   draft_vocab=draft_vocab, draft_siblings=0 if method.endswith("_chain") else draft_siblings,
@@ -195,7 +204,7 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
               draft_quantize: str | None = None, draft_vocab: int | str | None = None,
               draft_siblings: int | str = 0) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
-    drafts = {DRAFT: ("spec_0.5b", "spec_0.5b_chain", "hf_assist_0.5b"),
+    drafts = {DRAFT: ("spec_0.5b", "spec_0.5b_chain", "spec_0.5b_beam", "hf_assist_0.5b"),
               CROSS_DRAFT: ("spec_smollm2", "spec_smollm2_chain", "spec_smollm2_beam", "hf_assist_smollm2")}
     one_family = _model_bytes(TARGET, dtype) + sum(
         _model_bytes(n, dtype) for n, ms in drafts.items() if any(m in methods or m in hf_methods for m in ms))
@@ -333,13 +342,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None, help="use only the first N prompts")
-    ap.add_argument("--k-model", type=int, default=5, help="K for the 0.5B draft")
-    # SmolLM2 (bf16, 4 prompts x 64 tokens, perf/baselines/e2e-cpu/draft_sweep-bf16-cross-siblings*.txt): as a
-    # tree K=5 beat K=4 by 2-6% in two sweeps (6 rows is where this CPU's verify cost is still flat); as a
-    # chain K=4 beat K=5.
-    ap.add_argument("--k-cross", type=int, default=5, help="K for the SmolLM2 draft tree (spec_smollm2)")
-    ap.add_argument("--k-cross-chain", type=int, default=4, help="K for the SmolLM2 chain (spec_smollm2_chain)")
-    ap.add_argument("--k-cross-beam", type=int, default=8, help="K for the SmolLM2 beam (spec_smollm2_beam)")
+    k = DEFAULT_K
+    ap.add_argument("--k-model", type=int, default=k["spec_0.5b"], help="K for the 0.5B draft (tree and chain)")
+    ap.add_argument("--k-model-beam", type=int, default=k["spec_0.5b_beam"], help="K for the 0.5B beam (spec_0.5b_beam)")
+    ap.add_argument("--k-cross", type=int, default=k["spec_smollm2"], help="K for the SmolLM2 draft tree (spec_smollm2)")
+    ap.add_argument("--k-cross-chain", type=int, default=k["spec_smollm2_chain"],
+                    help="K for the SmolLM2 chain (spec_smollm2_chain)")
+    ap.add_argument("--k-cross-beam", type=int, default=k["spec_smollm2_beam"],
+                    help="K for the SmolLM2 beam (spec_smollm2_beam)")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
@@ -349,7 +359,7 @@ def main(argv=None) -> int:
                     help="draft trees for spec_0.5b and spec_smollm2 (Pipeline(draft_siblings=N)); 0: chains; "
                          f"default: Pipeline(draft_siblings='auto') as the CLI ({AUTO_DRAFT_SIBLINGS}); the *_chain "
                          "methods always run chains")
-    ap.add_argument("--k-ngram", type=int, default=4, help="K for prompt lookup")
+    ap.add_argument("--k-ngram", type=int, default=k["ngram"], help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
                                                  "default e2e.json (e2e-short.json with --short)")
@@ -385,7 +395,8 @@ def main(argv=None) -> int:
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         log(f"[{dname}]")
-        ks = {"spec_0.5b": args.k_model, "spec_0.5b_chain": args.k_model, "spec_smollm2": args.k_cross,
+        ks = {"spec_0.5b": args.k_model, "spec_0.5b_chain": args.k_model, "spec_0.5b_beam": args.k_model_beam,
+              "spec_smollm2": args.k_cross,
               "spec_smollm2_chain": args.k_cross_chain, "spec_smollm2_beam": args.k_cross_beam, "ngram": args.k_ngram}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,

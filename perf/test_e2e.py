@@ -16,7 +16,7 @@ from perf._common import load_prompts
 pytestmark = pytest.mark.e2e
 
 CASES = [(d, m) for d in ("bf16", "fp32") for m in (*e2e.METHODS, *e2e.HF_METHODS)]
-K = {"spec_0.5b": 5, "spec_0.5b_chain": 5, "spec_smollm2": 5, "spec_smollm2_chain": 4, "ngram": 4}  # as perf/e2e.py
+K = e2e.DEFAULT_K  # as perf/e2e.py
 DRAFT_QUANTIZE = "int8"  # as perf/e2e.py and the CLI on a CPU
 DRAFT_VOCAB = "auto"  # likewise: graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft
 DRAFT_SIBLINGS = "auto"  # likewise: graphspec.drafters.AUTO_DRAFT_SIBLINGS for model drafts (the *_chain: 0)
