@@ -23,6 +23,7 @@ perf/gpu_check.py to project a GPU speedup).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -39,27 +40,44 @@ from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, ma
 from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One graphspec method of the benchmark: everything else about it (the method list, K defaults, the
+    transformers peer, which models a run loads, the --k-* flag) is read from here."""
+
+    draft: str | None  # DRAFT, CROSS_DRAFT, "ngram", or None (autoregressive)
+    shape: str = "tree"  # model drafts: "tree" (draft_siblings as given), "chain" (none) or "beam"
+    k: int | None = None  # default K
+    k_flag: str | None = None  # the --k-* option that sets K
+    peer: str = "hf_ar"  # the transformers method it is compared with
+
+
 # spec_0.5b and spec_smollm2 draft trees (draft_siblings "auto", as the CLI); the *_chain methods are the same
 # pairs as plain chains, so one run compares the two; spec_0.5b_beam and spec_smollm2_beam grow the draft's tree
-# best first (Pipeline(draft_beam=BEAM_WIDTH), K = --k-model-beam / --k-cross-beam).
-METHODS = ("ar", "spec_0.5b", "spec_0.5b_chain", "spec_0.5b_beam", "spec_smollm2", "spec_smollm2_chain",
-           "spec_smollm2_beam", "ngram")
-BEAM_WIDTH = 2
-# K per method (the --k-* defaults; perf/test_e2e.py runs these too). SmolLM2 (bf16, 4 prompts x 64 tokens,
+# best first (Pipeline(draft_beam=BEAM_WIDTH)). K: SmolLM2 (bf16, 4 prompts x 64 tokens,
 # perf/baselines/e2e-cpu/draft_sweep-bf16-cross-siblings*.txt): as a tree K=5 beat K=4 by 2-6% in two sweeps
-# (6 rows is where this CPU's verify cost is still flat); as a chain K=4 beat K=5. Beams: K=8 (README,
-# "Draft beams").
-DEFAULT_K = {"spec_0.5b": 5, "spec_0.5b_chain": 5, "spec_0.5b_beam": 8, "spec_smollm2": 5, "spec_smollm2_chain": 4,
-             "spec_smollm2_beam": 8, "ngram": 4}
-HF_METHODS = ("hf_ar", "hf_assist_0.5b", "hf_assist_smollm2")
+# (6 rows is where the AMD CPU's verify cost is still flat); as a chain K=4 beat K=5. Beams: K=8 (README,
+# "Draft beams"; where extra verify rows are cheap, as with AMX).
+SPECS = {
+    "ar": Method(None),
+    "spec_0.5b": Method(DRAFT, "tree", 5, "k_model", "hf_assist_0.5b"),
+    "spec_0.5b_chain": Method(DRAFT, "chain", 5, "k_model", "hf_assist_0.5b"),
+    "spec_0.5b_beam": Method(DRAFT, "beam", 8, "k_model_beam", "hf_assist_0.5b"),
+    "spec_smollm2": Method(CROSS_DRAFT, "tree", 5, "k_cross", "hf_assist_smollm2"),
+    "spec_smollm2_chain": Method(CROSS_DRAFT, "chain", 4, "k_cross_chain", "hf_assist_smollm2"),
+    "spec_smollm2_beam": Method(CROSS_DRAFT, "beam", 8, "k_cross_beam", "hf_assist_smollm2"),
+    "ngram": Method("ngram", k=4, k_flag="k_ngram"),
+}
+METHODS = tuple(SPECS)
+BEAM_WIDTH = 2
+DEFAULT_K = {m: s.k for m, s in SPECS.items() if s.k is not None}  # perf/test_e2e.py runs these too
+HF_DRAFT = {"hf_ar": None, "hf_assist_0.5b": DRAFT, "hf_assist_smollm2": CROSS_DRAFT}  # transformers' methods
+HF_METHODS = tuple(HF_DRAFT)
 # Every model draft's early-stop threshold, passed to Pipeline and recorded in the JSON (as the CLI: 0.4 for a
 # draft with the target's tokenizer, 0.3 for one with another).
 DRAFT_CONFIDENCE = "auto"
 # Which transformers run each graphspec method is compared with.
-HF_PEER = {"ar": "hf_ar", "spec_0.5b": "hf_assist_0.5b", "spec_0.5b_chain": "hf_assist_0.5b",
-           "spec_0.5b_beam": "hf_assist_0.5b",
-           "spec_smollm2": "hf_assist_smollm2", "spec_smollm2_chain": "hf_assist_smollm2",
-           "spec_smollm2_beam": "hf_assist_smollm2", "ngram": "hf_ar"}
+HF_PEER = {m: s.peer for m, s in SPECS.items()}
 
 
 def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
@@ -80,6 +98,8 @@ def encode_prompts(tokenizer, prompts: list[dict]) -> list[list[int]]:
 
 
 def hf_runner(method: str, dtype, pool: dict):
+    if method not in HF_DRAFT:
+        raise ValueError(f"unknown transformers method {method!r}; one of {HF_METHODS}")
     import transformers
     from graphspec.models import zoo
 
@@ -100,12 +120,10 @@ def hf_runner(method: str, dtype, pool: dict):
     target = model(TARGET)
     tok_t = tokenizer(TARGET)
     extra = {}
-    if method == "hf_assist_0.5b":
-        extra = {"assistant_model": model(DRAFT)}
-    elif method == "hf_assist_smollm2":
-        extra = {"assistant_model": model(CROSS_DRAFT), "tokenizer": tok_t, "assistant_tokenizer": tokenizer(CROSS_DRAFT)}
-    elif method != "hf_ar":
-        raise ValueError(f"unknown transformers method {method!r}; one of {HF_METHODS}")
+    if HF_DRAFT[method] is not None:
+        extra = {"assistant_model": model(HF_DRAFT[method])}
+        if HF_DRAFT[method] == CROSS_DRAFT:  # another tokenizer: transformers' universal assisted generation
+            extra |= {"tokenizer": tok_t, "assistant_tokenizer": tokenizer(CROSS_DRAFT)}
     pad = tok_t.pad_token_id if tok_t.pad_token_id is not None else tok_t.eos_token_id
 
     def gen(ids, n):
@@ -123,6 +141,9 @@ def hf_runner(method: str, dtype, pool: dict):
 
 def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft_quantize: str | None = None,
                      draft_vocab: int | str | None = None, draft_siblings: int | str = 0):
+    spec = SPECS.get(method)
+    if spec is None:
+        raise ValueError(f"unknown graphspec method {method!r}; one of {METHODS}")
     import graphspec
     from graphspec.models import load_model
 
@@ -132,19 +153,15 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
         return pool[("gs", name, quantize)]
 
     target = model(TARGET)
-    if method == "ar":
+    if spec.draft is None:
         pipe = graphspec.Pipeline(target)
-    elif method in ("spec_0.5b", "spec_0.5b_chain", "spec_0.5b_beam", "spec_smollm2", "spec_smollm2_chain",
-                    "spec_smollm2_beam"):
-        name = DRAFT if method.startswith("spec_0.5b") else CROSS_DRAFT
-        pipe = graphspec.Pipeline(target, draft=model(name, draft_quantize), num_speculative_tokens=k,
-                                  draft_vocab=draft_vocab, draft_siblings=0 if method.endswith("_chain") else draft_siblings,
-                                  draft_confidence_threshold=DRAFT_CONFIDENCE,
-                                  draft_beam=BEAM_WIDTH if method.endswith("_beam") else 0)
-    elif method == "ngram":
+    elif spec.draft == "ngram":
         pipe = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=k)
     else:
-        raise ValueError(f"unknown graphspec method {method!r}; one of {METHODS}")
+        pipe = graphspec.Pipeline(target, draft=model(spec.draft, draft_quantize), num_speculative_tokens=k,
+                                  draft_vocab=draft_vocab, draft_siblings=draft_siblings if spec.shape == "tree" else 0,
+                                  draft_confidence_threshold=DRAFT_CONFIDENCE,
+                                  draft_beam=BEAM_WIDTH if spec.shape == "beam" else 0)
 
     def gen(ids, n):
         t0 = time.perf_counter()
@@ -204,10 +221,8 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
               draft_quantize: str | None = None, draft_vocab: int | str | None = None,
               draft_siblings: int | str = 0) -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
-    drafts = {DRAFT: ("spec_0.5b", "spec_0.5b_chain", "spec_0.5b_beam", "hf_assist_0.5b"),
-              CROSS_DRAFT: ("spec_smollm2", "spec_smollm2_chain", "spec_smollm2_beam", "hf_assist_smollm2")}
-    one_family = _model_bytes(TARGET, dtype) + sum(
-        _model_bytes(n, dtype) for n, ms in drafts.items() if any(m in methods or m in hf_methods for m in ms))
+    drafts = {SPECS[m].draft for m in methods} | {HF_DRAFT[m] for m in hf_methods}
+    one_family = _model_bytes(TARGET, dtype) + sum(_model_bytes(n, dtype) for n in drafts & {DRAFT, CROSS_DRAFT})
     together = bool(hf_methods) and 2 * one_family < 0.75 * _available_bytes()
     log(f"  models of one family: {one_family / 1e9:.1f} GB; graphspec and transformers "
         f"{'interleaved in one pass' if together else 'in two passes (not enough memory for both)'}")
@@ -395,9 +410,7 @@ def main(argv=None) -> int:
     for dname in args.dtypes:
         dtype = DTYPES[dname]
         log(f"[{dname}]")
-        ks = {"spec_0.5b": args.k_model, "spec_0.5b_chain": args.k_model, "spec_0.5b_beam": args.k_model_beam,
-              "spec_smollm2": args.k_cross,
-              "spec_smollm2_chain": args.k_cross_chain, "spec_smollm2_beam": args.k_cross_beam, "ngram": args.k_ngram}
+        ks = {m: getattr(args, s.k_flag) for m, s in SPECS.items() if s.k_flag}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
                                    "auto" if args.draft_vocab is None else args.draft_vocab or None,
