@@ -86,10 +86,14 @@ def check_siblings(value, allow_auto: bool = False) -> int | str:
     return value
 
 
-def check_beam(value) -> int:
+def check_beam(value, model=None) -> int:
+    """A beam width (0: none); given the draft ``model``, a beam is refused off the CPU."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"draft_beam must be an int >= 0 (0: no beam; 2: expand the two likeliest paths per "
                          f"draft forward), got {value!r}")
+    if value and model is not None and torch.device(model.device).type != "cpu":
+        raise ValueError(f"a draft beam grows its tree over cached nodes, which the attention op masks on the CPU "
+                         f"only; the draft is on {model.device}: use draft_beam=0 there")
     return value
 
 
@@ -422,16 +426,13 @@ class ModelDrafter(Stage):
                  siblings: int = 0, beam: int = 0, beam_threshold: float | str | None = "auto"):
         super().__init__(name)
         self.siblings = check_siblings(siblings)
-        # A beam (greedy runs): the tree grows best first, each forward after the first feeding the ``beam``
-        # likeliest paths as rows (grow_beam); sampled runs draft a chain (with siblings) as without it.
-        self.beam = check_beam(beam)
-        self.beam_threshold = check_beam_threshold(beam_threshold, SAME_VOCAB_BEAM_STOP_PROBABILITY)
         for attr in ("step", "new_cache", "config"):
             if not hasattr(model, attr):
                 raise ValueError(f"ModelDrafter needs a graphspec model (with .{attr}); got {type(model).__name__}")
-        if self.beam and torch.device(model.device).type != "cpu":
-            raise ValueError(f"a draft beam grows its tree over cached nodes, which the attention op masks on the CPU "
-                             f"only; the draft is on {model.device}: use draft_beam=0 there")
+        # A beam (greedy runs): the tree grows best first, each forward after the first feeding the ``beam``
+        # likeliest paths as rows (grow_beam); sampled runs draft a chain (with siblings) as without it.
+        self.beam = check_beam(beam, model)
+        self.beam_threshold = check_beam_threshold(beam_threshold, SAME_VOCAB_BEAM_STOP_PROBABILITY)
         self.tree = bool(self.siblings or self.beam)
         if self.tree:  # a draft tree: the verify and accept stages must read its shape
             self.writes = DRAFT_WRITES + ("draft_parents",)

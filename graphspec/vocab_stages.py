@@ -140,11 +140,8 @@ class CrossVocabDrafter(Stage):
         # TLI maps them one to one; SLEM re-tokenizes each alternative text (VocabMap).
         self.siblings = check_siblings(siblings)
         # A beam (greedy runs): each forward after the first expands the ``beam`` likeliest paths (see _beam).
-        self.beam = check_beam(beam)
+        self.beam = check_beam(beam, model)
         self.beam_threshold = check_beam_threshold(beam_threshold, BEAM_STOP_PROBABILITY)
-        if self.beam and torch.device(model.device).type != "cpu":
-            raise ValueError(f"a draft beam grows its tree over cached nodes, which the attention op masks on the CPU "
-                             f"only; the draft is on {model.device}: use draft_beam=0 there")
         self.tree = bool(self.siblings or self.beam)  # writes draft_own_parents
         if self.tree:
             self.writes = DRAFT_OWN_FIELDS + (DRAFT_OWN_TREE,)
