@@ -171,7 +171,8 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
         return {"seconds": seconds, "tokens": len(out.token_ids), "token_ids": list(out.token_ids),
                 "steps": st.steps, "proposed": st.proposed, "accepted": st.accepted,
                 "accepted_per_position": list(st.accepted_per_position),
-                "proposed_per_position": list(st.proposed_per_position), "decode_seconds": st.decode_seconds,
+                "proposed_per_position": list(st.proposed_per_position), "draft_forwards": st.draft_forwards,
+                "decode_seconds": st.decode_seconds,
                 "prefill_seconds": st.prefill_seconds, "stage_seconds": dict(st.stage_seconds),
                 "tree": dict(st.tree) if st.tree else None}
 
@@ -268,6 +269,8 @@ def _aggregate(runs: list[dict]) -> dict:
         k = max(len(r["accepted_per_position"]) for r in runs)
         out["accepted_per_position"] = [sum(r["accepted_per_position"][i] for r in runs if i < len(r["accepted_per_position"])) for i in range(k)]
         out["proposed_per_position"] = [sum(r["proposed_per_position"][i] for r in runs if i < len(r["proposed_per_position"])) for i in range(k)]
+        # the draft's forwards a verify step, its prefill forward included (it also drafts the first step)
+        out["draft_forwards_per_step"] = sum(r.get("draft_forwards", 0) for r in runs) / steps if steps else 0.0
         out["decode_seconds"] = sum(r["decode_seconds"] for r in runs)
         stages: dict[str, float] = {}
         for r in runs:
@@ -330,7 +333,8 @@ def write_acceptance(report: dict) -> Path:
     path = PERF_DIR / "acceptance.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
     data["note"] = ("Greedy acceptance measured on CPU with real weights by perf/e2e.py (target "
-                    f"{TARGET}); tokens_per_target_forward = generated tokens / target verify forwards.")
+                    f"{TARGET}); tokens_per_target_forward = generated tokens / target verify forwards; "
+                    "draft_forwards_per_step = the draft's forwards (its prefill included) / target verify forwards.")
     pairs = data.setdefault("pairs", {})
     for dname, res in report["dtypes"].items():
         for method in (m for m in METHODS if m != "ar"):  # every speculative method
@@ -343,6 +347,7 @@ def write_acceptance(report: dict) -> Path:
                 "num_speculative_tokens": r["num_speculative_tokens"], "acceptance_rate": r["acceptance_rate"],
                 "tokens_per_target_forward": r["tokens_per_target_forward"],
                 "accepted_per_position": r["accepted_per_position"], "proposed_per_position": r["proposed_per_position"],
+                "draft_forwards_per_step": r["draft_forwards_per_step"],
                 "prompts": report["num_prompts"], "max_new_tokens": report["max_new_tokens"], "date": report["machine"]["date"]}
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path

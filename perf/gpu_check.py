@@ -20,8 +20,9 @@ Sections, each bounded by what is left of ``--budget-s`` (default 420 s):
    weights): one-token step, verify of K+1 tokens for K = 1..8, draft step, autoregressive
    tokens/s, speculative tokens/s with a draft identical to the target (acceptance 1: the
    ceiling). With perf/acceptance.json (acceptance measured on CPU with real weights) it
-   projects each pair's speedup: ``tau * t_step / (K * t_draft + t_verify(K))`` where tau is
-   the measured tokens per target forward (the cross-vocabulary mapping's cost is not in it).
+   projects each bf16 pair's speedup: ``tau * t_step / (n * t_draft + t_verify(K))`` where tau is
+   the measured tokens per target forward and n the measured draft forwards a step (K where
+   acceptance.json predates that figure); the cross-vocabulary mapping's cost is not in it.
 5. A short table. Everything also goes to $OUT/gpu_check.json and $OUT/gpu_check.log.
 """
 
@@ -57,11 +58,20 @@ CONFIGS = {
                      "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
                      "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
 }
-# Draft configs per acceptance.json pair name ("ngram" has no draft model).
-# spec_0.5b / spec_smollm2 are draft trees in at most K + 1 rows (a verify costs what a chain's of K does), the
-# *_chain methods chains.
-PAIR_DRAFT = {"spec_0.5b": "qwen2.5-0.5b", "spec_0.5b_chain": "qwen2.5-0.5b", "spec_smollm2": "smollm2-135m",
-              "spec_smollm2_chain": "smollm2-135m", "ngram": None}
+# The CONFIGS entry of each draft model perf/e2e.py runs (its SPECS table names the methods and their drafts).
+CONFIG_OF_DRAFT = {"qwen2.5-coder-0.5b-instruct": "qwen2.5-0.5b", "smollm2-135m-instruct": "smollm2-135m"}
+
+
+def pair_drafts() -> dict:
+    """Each speculative method of perf/e2e.py -> the CONFIGS key of its draft (None: prompt lookup, no model).
+
+    Imported here, not at the top: perf.e2e imports graphspec, and with it triton, which must not load before
+    a dry run has set TRITON_INTERPRET. A draft missing from CONFIG_OF_DRAFT is a KeyError, not a skipped pair.
+    """
+    from perf.e2e import SPECS
+
+    return {m: None if spec.draft == "ngram" else CONFIG_OF_DRAFT[spec.draft]
+            for m, spec in SPECS.items() if spec.draft is not None}
 
 
 def tiny(config: dict) -> dict:
@@ -287,18 +297,30 @@ def e2e(log, result, device, dry: bool, deadline: float):
     projections = {}
     if acc_file.is_file():
         pairs = json.loads(acc_file.read_text()).get("pairs", {})
+        drafts = pair_drafts()
         for key, a in sorted(pairs.items()):
-            method = key.split("/")[0]
-            if method not in PAIR_DRAFT:
+            method, _, dname = key.partition("/")
+            if dname != "bf16":
+                continue  # the costs above are bf16
+            if method not in drafts:
+                log(f"projected {key}: not a method of perf/e2e.py, skipped")
                 continue
             k = int(a["num_speculative_tokens"])
             tau = float(a["tokens_per_target_forward"])
-            draft = PAIR_DRAFT[method]
+            draft = drafts[method]
             t_draft = costs["draft_ms"][draft] if draft else 0.0
+            # draft forwards a step as measured on the CPU (a threshold stops a chain early; a beam's
+            # forward is w rows, which on a GPU cost about one); K where acceptance.json predates the figure
+            forwards = a.get("draft_forwards_per_step")
+            basis = "measured"
+            if forwards is None:
+                forwards, basis = (float(k) if draft else 0.0), "K"
             t_verify = costs["verify_ms"].get(k) or costs["verify_ms"][max(costs["verify_ms"])]
-            speedup = tau * costs["step_ms"] / (k * t_draft + t_verify)
-            projections[key] = {"K": k, "tokens_per_target_forward": tau, "projected_speedup": speedup}
-            log(f"projected {key:22s} K={k} tau={tau:.2f}: x{speedup:.2f} over autoregressive")
+            speedup = tau * costs["step_ms"] / (forwards * t_draft + t_verify)
+            projections[key] = {"K": k, "tokens_per_target_forward": tau, "draft_forwards_per_step": forwards,
+                                "draft_forwards_from": basis, "projected_speedup": speedup}
+            log(f"projected {key:24s} K={k} tau={tau:.2f} draft forwards {forwards:.2f} ({basis}): "
+                f"x{speedup:.2f} over autoregressive")
     else:
         log("perf/acceptance.json missing: no projection (run perf/e2e.py on a CPU first)")
     result["projections"] = projections
