@@ -270,7 +270,7 @@ def _aggregate(runs: list[dict]) -> dict:
         out["accepted_per_position"] = [sum(r["accepted_per_position"][i] for r in runs if i < len(r["accepted_per_position"])) for i in range(k)]
         out["proposed_per_position"] = [sum(r["proposed_per_position"][i] for r in runs if i < len(r["proposed_per_position"])) for i in range(k)]
         # the draft's forwards a verify step, its prefill forward included (it also drafts the first step)
-        out["draft_forwards_per_step"] = sum(r.get("draft_forwards", 0) for r in runs) / steps if steps else 0.0
+        out["draft_forwards_per_step"] = sum(r["draft_forwards"] for r in runs) / steps if steps else 0.0
         out["decode_seconds"] = sum(r["decode_seconds"] for r in runs)
         stages: dict[str, float] = {}
         for r in runs:
