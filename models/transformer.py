@@ -47,6 +47,7 @@ from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
 from graphspec.kernels.silu_mul import silu_mul
 from graphspec.models.config import ModelConfig
 from graphspec.models.kv_cache import KVCache
+from graphspec.models import int8_native
 from graphspec.models.lean_int8 import Int8Layers, scripted_forward
 
 
@@ -279,11 +280,15 @@ class Transformer:
 
     # int8 models run cached forwards through _forward_int8 (False: the general forward, for comparisons).
     lean_int8_forward = True
+    # ... and there, batch-1 forwards without a tree in C++ where it builds (False: TorchScript only).
+    native_int8_forward = True
 
     def _forward_int8(self, ids, positions, cache, rows, head, tree=None) -> torch.Tensor:
-        """A cached forward of an int8 model: ``_forward``'s math as one TorchScript call.
+        """A cached forward of an int8 model: ``_forward``'s math in C++ or as one TorchScript call.
 
-        Everything is fp32 and the GEMMs call the int8 op directly, so no op casts, checks shapes
+        Batch 1 without a tree mask runs in C++ (``graphspec.models.int8_native``: loops in place
+        around the same int8 GEMMs) where it builds and ``native_int8_forward`` is set; the rest as
+        follows. Everything is fp32 and the GEMMs call the int8 op directly, so no op casts, checks shapes
         or picks a backend; rope rotates q and k in one call, and attention is one SDPA call over the
         cache (masked when T > 1). The layers run in ``graphspec.models.lean_int8`` (TorchScript:
         the same ops without the Python interpreter between them). Logits ``[B, n, V]`` fp32;
@@ -291,8 +296,13 @@ class Transformer:
         """
         c = self.config
         t = ids.shape[1]
-        w = Int8Layers(self.layers, self.norm)  # made per call (tens of microseconds), so never stale
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
+        packed_head = (self.lm_head if head is None else head).packed
+        if (self.native_int8_forward and tree is None and ids.shape[0] == 1 and cos.shape[-1] == c.head_dim
+                and int8_native.available()):
+            h = F.embedding(ids, self.embed).float()  # [1, T, H]
+            return int8_native.draft_for(self).forward(h, cos, sin, cache.length, cache.k, cache.v, packed_head, rows)
+        w = Int8Layers(self.layers, self.norm)  # made per call (tens of microseconds), so never stale
         if tree is not None:  # the attention op's tree, checked by it: new tokens see their ancestors
             check_tree(tree, t, cache.length + t, ids.device)
             mask = tree_mask(tree, cache.length + t)
@@ -301,7 +311,7 @@ class Transformer:
         h = F.embedding(ids, self.embed).float()  # [B, T, H]
         return scripted_forward()(
             h, cos, sin, mask, cache.length, cache.k, cache.v, w.wqkv, w.bqkv, w.wo, w.bo, w.w13, w.w2,
-            w.input_norm, w.post_norm, w.norm, (self.lm_head if head is None else head).packed, rows,
+            w.input_norm, w.post_norm, w.norm, packed_head, rows,
             c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, self.scale)
 
     def _mlp(self, layer: Layer, x) -> torch.Tensor:

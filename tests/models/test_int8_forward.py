@@ -99,6 +99,7 @@ def test_lean_forward_runs_as_torchscript(model, monkeypatch):
     scripted = transformer.scripted_forward()
     assert isinstance(scripted, torch.jit.ScriptFunction)
     monkeypatch.setattr(transformer, "scripted_forward", lambda: calls.append(1) or scripted)
+    monkeypatch.setattr(model, "native_int8_forward", False)  # batch 1 would run in C++ (test_int8_native.py)
     cache = model.new_cache(16)
     model.step(torch.tensor([[1, 2, 3]]), cache, logits_for="last")
     model.step(torch.tensor([[4]]), cache, logits_for="last")

@@ -1,0 +1,187 @@
+"""The int8 draft forward in C++ (graphspec.models.int8_native) against the TorchScript path it replaces.
+
+Both run the same fbgemm int8 GEMMs on fp32 activations; the C++ sums norms and attention in another
+order and uses a polynomial exp (relative error < 3e-7), so fp32 values differ by ~1e-6 relative, which
+can move an activation across an 8-bit rounding step of the next GEMM. On these tiny models that stays
+under ATOL; on a real 30-layer model with random ids one such step can grow into a different argmax (so
+does a 1e-6 change of the input on the TorchScript path itself, measured), which is why the comparisons
+here are on small models and the real-model check is the pipeline's exactness, not the draft's logits.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from graphspec.models import int8_native, load_model
+from tests.checkpoints import make_checkpoint
+
+pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
+                                and "x86" not in torch.backends.quantized.supported_engines,
+                                reason="this torch build has no int8 CPU GEMM")
+
+ATOL = 1e-3
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+# (arch, hidden, heads, kv_heads, layers, rope_scaling, extra config): GQA groups 1, 2 and 3, odd head counts,
+# head_dim 8..24, q/k/v biases (qwen2), an o_proj bias (llama attention_bias), llama3 rope scaling, a tied head
+SHAPES = [
+    ("llama", 64, 4, 2, 2, None, None),
+    ("qwen2", 72, 3, 1, 3, None, None),
+    ("mistral", 48, 6, 6, 2, None, None),
+    ("llama", 120, 5, 5, 1, None, {"attention_bias": True}),
+    ("llama", 96, 6, 2, 2, LLAMA3, None),
+]
+
+
+def _shape_id(i):
+    arch, hidden, heads, kv, *_ = SHAPES[i]
+    return f"{arch}-h{hidden}-{heads}q{kv}kv"
+
+
+@pytest.fixture(scope="module", params=range(len(SHAPES)), ids=_shape_id)
+def model(request, tmp_path_factory):
+    arch, hidden, heads, kv, layers, rope, extra = SHAPES[request.param]
+    d = make_checkpoint(tmp_path_factory.mktemp(f"native{request.param}"), arch, tokenizer=None, hidden_size=hidden,
+                        heads=heads, kv_heads=kv, layers=layers, tie=arch == "qwen2", rope_scaling=rope,
+                        extra_config=extra, seed=request.param, intermediate_size=hidden * 3 - 8)
+    m = load_model(d, dtype=torch.bfloat16, quantize="int8")
+    if extra:
+        assert m.layers[0].bo is not None  # the o_proj bias is really there
+    if not int8_native.available():
+        pytest.fail("the C++ int8 forward did not build here; CI and this machine have g++ and ninja")
+    return m
+
+
+CHUNKS = (7, 1, 2, 1, 3, 1, 5)  # a prefill, then one-token proposals and multi-token catch-ups
+
+
+def _run(model, native, ids, positions=None, head=None, logits_for="all"):
+    """Logits of every chunk after the prefill, concatenated on the row axis, and the final cache."""
+    model.native_int8_forward = native
+    try:
+        cache = model.new_cache(64)
+        out, j = [], 0
+        for n in CHUNKS:
+            pos = None if positions is None else positions[:, j:j + n]
+            logits = model.step(ids[:, j:j + n], cache, positions=pos, head=head,
+                                logits_for="last" if j == 0 else logits_for)
+            out += [logits] if j else []
+            j += n
+        return torch.cat(out, dim=1), cache
+    finally:
+        model.native_int8_forward = True
+
+
+def _ids(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (1, sum(CHUNKS)), generator=g)
+
+
+def test_native_forward_matches_torchscript(model, monkeypatch):
+    calls = []
+    real = int8_native.draft_for
+    monkeypatch.setattr(int8_native, "draft_for", lambda m: calls.append(1) or real(m))
+    ids = _ids(model, 0)
+    native, cache_n = _run(model, True, ids)
+    assert len(calls) == len(CHUNKS)  # every forward ran in C++ ...
+    script, cache_s = _run(model, False, ids)
+    assert len(calls) == len(CHUNKS)  # ... and none with native_int8_forward=False
+    assert native.shape == script.shape == (1, sum(CHUNKS[1:]), model.config.vocab_size)
+    torch.testing.assert_close(native, script, rtol=0, atol=ATOL)
+    assert script.abs().max() > 0.5  # logits of real size, so the tolerance means something
+    n = sum(CHUNKS)
+    for i in range(model.config.num_hidden_layers):  # the cache entries it wrote, rope included
+        torch.testing.assert_close(cache_n.k[i][:, :n], cache_s.k[i][:, :n], rtol=0, atol=ATOL)
+        torch.testing.assert_close(cache_n.v[i][:, :n], cache_s.v[i][:, :n], rtol=0, atol=ATOL)
+        assert cache_n.k[i][:, :n].abs().max() > 0.1
+
+
+def test_native_forward_with_positions_head_and_rows(model):
+    n = sum(CHUNKS)
+    ids = _ids(model, 1)
+    positions = torch.arange(n).view(1, n) * 3 + 2  # rope at positions other than the cache slots
+    keep = torch.tensor([0, 3, 7, 11, model.config.vocab_size - 1])
+    head = model.head_rows(keep)
+    for kw in ({"positions": positions}, {"head": head}, {"logits_for": "last"},
+               {"logits_for": torch.tensor([0, 0])}, {"logits_for": torch.tensor([], dtype=torch.int64)}):
+        native, _ = _run(model, True, ids, **kw)
+        script, _ = _run(model, False, ids, **kw)
+        torch.testing.assert_close(native, script, rtol=0, atol=ATOL)
+    full, _ = _run(model, True, ids)
+    shifted, _ = _run(model, True, ids, positions=positions)
+    assert (shifted - full).abs().max() > 1e-2  # positions reach rope: a test of them can fail
+
+
+def test_batches_and_trees_stay_on_torchscript(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(int8_native, "draft_for", lambda m: calls.append(1) or pytest.fail("C++ path taken"))
+    cache = model.new_cache(16, batch_size=2)
+    model.step(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache, logits_for="last")
+    cache = model.new_cache(16)
+    model.native_int8_forward = False
+    model.step(torch.tensor([[1, 2]]), cache, logits_for="last")
+    model.native_int8_forward = True
+    model.step(torch.tensor([[7, 8, 9]]), cache, positions=torch.tensor([[2, 3, 3]]),
+               tree=torch.tensor([[True, False, False], [True, True, False], [True, False, True]]))
+    assert calls == []
+
+
+def test_a_bad_cache_is_an_error_that_says_what(model):
+    obj = int8_native.draft_for(model)
+    c = model.config
+    h = torch.zeros(1, 1, c.hidden_size)
+    cos = torch.ones(1, 1, 1, c.head_dim)
+    cache = model.new_cache(4)
+    with pytest.raises(RuntimeError, match="KV cache must be"):
+        obj.forward(h, cos, cos, 4, cache.k, cache.v, model.lm_head.packed, None)  # no room at slot 4
+    with pytest.raises(RuntimeError, match="layers but"):
+        obj.forward(h, cos, cos, 0, cache.k[:-1], cache.v, model.lm_head.packed, None)
+    with pytest.raises(RuntimeError, match="h must be"):
+        obj.forward(torch.zeros(2, 1, c.hidden_size), cos, cos, 0, cache.k, cache.v, model.lm_head.packed, None)
+
+
+def test_draft_for_rebuilds_when_the_weights_change(model):
+    a = int8_native.draft_for(model)
+    assert int8_native.draft_for(model) is a
+    saved = model.layers[0].wo
+    try:
+        model.layers[0].wo = type(saved)(saved.packed, saved.shape, saved.dtype)
+        assert int8_native.draft_for(model) is not a
+    finally:
+        model.layers[0].wo = saved
+
+
+def test_mode_env(monkeypatch):
+    for value, expect in (("", "auto"), ("auto", "auto"), ("1", "1"), ("on", "1"), ("0", "0"), ("OFF", "0")):
+        monkeypatch.setenv(int8_native.ENV, value)
+        assert int8_native.mode() == expect
+    monkeypatch.setenv(int8_native.ENV, "sometimes")
+    with pytest.raises(ValueError, match="GRAPHSPEC_INT8_NATIVE='sometimes'; use auto"):
+        int8_native.mode()
+    monkeypatch.setenv(int8_native.ENV, "0")
+    assert int8_native.available() is False
+
+
+def test_a_failed_build_warns_once_in_auto_and_is_an_error_when_required(monkeypatch, model):
+    def broken():
+        raise int8_native.NativeBuildError("no compiler (test)")
+
+    monkeypatch.setattr(int8_native, "_load", broken)
+    monkeypatch.setattr(int8_native, "_warned", False)
+    monkeypatch.setenv(int8_native.ENV, "1")
+    with pytest.raises(int8_native.NativeBuildError, match="requires the C.. int8 draft forward.*no compiler"):
+        int8_native.available()
+    monkeypatch.setenv(int8_native.ENV, "auto")
+    with pytest.warns(RuntimeWarning, match="unavailable .no compiler .test..; int8 drafts run the TorchScript"):
+        assert int8_native.available() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert int8_native.available() is False  # once per process
+    # and the model runs the TorchScript path, with the same logits
+    ids = _ids(model, 2)
+    fallback, _ = _run(model, True, ids)
+    monkeypatch.undo()
+    script, _ = _run(model, False, ids)
+    torch.testing.assert_close(fallback, script, rtol=0, atol=0)
