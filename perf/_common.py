@@ -54,6 +54,10 @@ def machine_info() -> dict:
         info["amx_bf16"] = " amx_bf16" in flags
     except OSError:
         pass
+    from graphspec.models import int8_native
+
+    # whether int8 drafts ran their C++ forward (graphspec.models.int8_native) or TorchScript
+    info["int8_native"] = int8_native.mode() != "0" and int8_native.available()
     try:
         import transformers
 

@@ -1,12 +1,14 @@
 """What one target forward costs on this machine: decode step, verify over T tokens, GB/s.
 
     .venv/bin/python perf/cpu_step.py [--model NAME] [--dtypes bf16 fp32] [--threads 2] [--reps 9]
+    .venv/bin/python perf/cpu_step.py --model smollm2-135m-instruct --quantize int8 --dtypes bf16 --tokens 1 2
 
 For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default;
 "plain": the same weights as plain tensors through ``F.linear``) it times ``model.step`` over
 T = 1, 2, 4, 8 new tokens after 256 cached ones and prints the median milliseconds, the ratio
 to the one-token step (the cost of a speculative verify) and the one-token step's achieved
-bandwidth (weight bytes / time) next to the memory read bandwidth measured in the same run.
+bandwidth (weight bytes / time) next to the memory read bandwidth measured in the same run. With
+``--quantize int8`` (a draft as the CLI runs it) the layouts are the int8 forward in C++ and in TorchScript.
 Writes perf/results/cpu_step.json.
 """
 
@@ -46,6 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--quantize", default="none", choices=["none", "int8"],
                     help="int8: the model as a draft runs it (kernels.linear.Int8Weight); layouts then do not apply")
+    ap.add_argument("--int8-forwards", nargs="+", default=["native", "torchscript"], choices=["native", "torchscript"],
+                    help="with --quantize int8: time the C++ forward (graphspec.models.int8_native), the TorchScript "
+                         "one, or both (default), each as its own layout int8-native / int8-torchscript")
     ap.add_argument("--min-rows", type=int, nargs="+", default=None, metavar="ROWS",
                     help="also time with products of fewer rows padded to these row counts (kernels.linear.MIN_ROWS; "
                          "1 = unpadded); default: the library's setting only")
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
 
     import importlib
 
-    from graphspec.models import load_model
+    from graphspec.models import int8_native, load_model
 
     linear_mod = importlib.import_module("graphspec.kernels.linear")
     pads = args.min_rows or [linear_mod.MIN_ROWS]
@@ -71,9 +76,14 @@ def main(argv=None) -> int:
         quantize = None if args.quantize == "none" else args.quantize
         model = load_model(args.model, dtype=DTYPES[dname], quantize=quantize)
         nbytes = step_weight_bytes(model)
-        for layout in (["int8"] if quantize else args.layouts):
+        for layout in ([f"int8-{f}" for f in args.int8_forwards] if quantize else args.layouts):
             if layout == "plain":
                 unpack(model)
+            if quantize:
+                model.native_int8_forward = layout == "int8-native"
+                if layout == "int8-native" and not int8_native.available():
+                    raise SystemExit(f"the C++ int8 forward is unavailable here ({int8_native.ENV}="
+                                     f"{int8_native.mode()}); pass --int8-forwards torchscript")
             for threads, pad in ((th, p) for th in args.threads for p in pads):
                 torch.set_num_threads(threads)
                 linear_mod.MIN_ROWS = pad
