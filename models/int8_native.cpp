@@ -1,9 +1,9 @@
 // The cached forward of an int8 Llama-family model (a draft on the CPU) in C++: graphspec.models.int8_native.
 //
 // Why: a small draft's step is mostly not its GEMMs. SmolLM2-135M in int8 runs 121 int8 GEMMs a token
-// (about 8 ms on one core of the AMD EPYC), and around them some 25 torch ops a layer (norms, rope, cache
+// (about 7-8 ms on one core of the AMD EPYC), and around them some 25 torch ops a layer (norms, rope, cache
 // writes, SDPA, activations, residual adds), each paying dispatch, allocation and TensorIterator set-up for a
-// few hundred floats; from TorchScript those cost about 4-5 ms a forward (perf/RESULTS.md). Here they are
+// few hundred floats; from TorchScript those cost about 3-4 ms a forward (perf/RESULTS.md section T). Here they are
 // plain loops over the row in place, and the GEMMs are the same fbgemm calls (LinearPackedParamsBase::
 // apply_dynamic, what torch.ops.quantized.linear_dynamic runs).
 //

@@ -3,8 +3,8 @@
 Why: a small draft's forward is mostly the work around its GEMMs. The TorchScript path
 (``graphspec.models.lean_int8``) runs about 25 torch ops a layer, each with dispatch, allocation and
 TensorIterator set-up for a few hundred floats; this file's C++ runs the same maths as loops in place and
-calls the same fbgemm GEMMs (perf/RESULTS.md section T: SmolLM2-135M 12.6 -> 10.3 ms a token with one
-thread, 10.4 -> 7.9 with two, on the AMD EPYC).
+calls the same fbgemm GEMMs (perf/RESULTS.md section T, AMD EPYC: SmolLM2-135M 15.3 -> 10.4 ms a token
+with one thread, 12.2 -> 8.7 with two; the GEMM-bound 0.5B gains only on several-token forwards).
 
 - What runs here: cached forwards of an int8 model (``quantize="int8"``, always a draft) with batch 1 and
   no tree mask, any number of new tokens; everything else (batches, draft-beam levels) stays on the
@@ -132,7 +132,7 @@ def available() -> bool:
         if not _warned:
             _warned = True
             warnings.warn(f"graphspec: the C++ int8 draft forward is unavailable ({e}); int8 drafts run the "
-                          f"TorchScript path, about 20-25% slower a token. Install g++ and ninja to build it, or "
+                          f"TorchScript path (SmolLM2-135M about 1.4x slower a token). Install g++ and ninja to build it, or "
                           f"set {ENV}=0 to choose the TorchScript path and silence this", RuntimeWarning,
                           stacklevel=3)
         return False

@@ -24,8 +24,9 @@
   biases, KV cache; ``dtype`` is fp32) and no casts sit between ops. Its cached forwards (a draft
   runs one per proposed token) take ``_forward_int8``: the same math in about 15 torch ops a layer
   instead of about 80, run by TorchScript (``graphspec.models.lean_int8``) rather than the Python
-  interpreter (SmolLM2-135M step 22 -> 16 -> 11.5 ms on one core), because at these sizes the
-  per-op cost is a large part of a draft step.
+  interpreter (SmolLM2-135M step 22 -> 16 -> 11.5 ms on one core), and with batch 1 and no tree
+  mask as C++ loops around the same GEMMs (``graphspec.models.int8_native``; 15.3 -> 10.4 ms in
+  a later measurement), because at these sizes the per-op cost is a large part of a draft step.
 - Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
   Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
 - A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
