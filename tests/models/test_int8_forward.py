@@ -13,6 +13,7 @@ import torch
 from graphspec.kernels.linear import Int8Weight
 from graphspec.models import load_model
 from tests.checkpoints import make_checkpoint
+from tests.models._chunks import chunked_steps
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
                                 and "x86" not in torch.backends.quantized.supported_engines,
@@ -46,16 +47,7 @@ def _steps(model, fast, ids, positions=None, head=None, logits_for="all"):
     """Logits of every chunk after the prefill, concatenated on the row axis."""
     model.lean_int8_forward = fast
     try:
-        cache = model.new_cache(64, batch_size=ids.shape[0])
-        out, j = [], 0
-        for n in CHUNKS:
-            pos = None if positions is None else positions[:, j:j + n]
-            logits = model.step(ids[:, j:j + n], cache, positions=pos, head=head,
-                                logits_for="last" if j == 0 else logits_for)
-            out += [logits] if j else []
-            j += n
-        assert cache.length == j == ids.shape[1]
-        return torch.cat(out, dim=1)
+        return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)[0]
     finally:
         model.lean_int8_forward = True
 

@@ -15,6 +15,7 @@ import torch
 
 from graphspec.models import int8_native, load_model
 from tests.checkpoints import make_checkpoint
+from tests.models._chunks import chunked_steps
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
                                 and "x86" not in torch.backends.quantized.supported_engines,
@@ -61,15 +62,7 @@ def _run(model, native, ids, positions=None, head=None, logits_for="all"):
     """Logits of every chunk after the prefill, concatenated on the row axis, and the final cache."""
     model.native_int8_forward = native
     try:
-        cache = model.new_cache(64)
-        out, j = [], 0
-        for n in CHUNKS:
-            pos = None if positions is None else positions[:, j:j + n]
-            logits = model.step(ids[:, j:j + n], cache, positions=pos, head=head,
-                                logits_for="last" if j == 0 else logits_for)
-            out += [logits] if j else []
-            j += n
-        return torch.cat(out, dim=1), cache
+        return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)
     finally:
         model.native_int8_forward = True
 
