@@ -10,9 +10,10 @@
 // Scope: batch 1, any number of new tokens T, causal attention over the cache (row t sees cache slots
 // 0 .. start + t); rope from the caller's cos / signed-sin tables, so any positions. Draft trees (a mask) and
 // batches take the TorchScript path (graphspec.models.lean_int8). The result is a draft's: fp32 sums in
-// another order than torch's and an exp polynomial (relative error < 3e-7), so logits agree with the
-// TorchScript path to about 1e-5 relative, not bit for bit (tests/models/test_int8_native.py). Speculative
-// decoding stays lossless whatever a draft computes.
+// another order than torch's and an exp polynomial (relative error < 3e-7), so logits are not the TorchScript
+// path's bits: within 1e-3 on the tests' small models (tests/models/test_int8_native.py); on a real draft the
+// int8 rounding of activations amplifies the difference as it does a 1e-6 nudge of that path's own inputs.
+// Speculative decoding stays lossless whatever a draft computes.
 
 #include <torch/custom_class.h>
 #include <torch/script.h>

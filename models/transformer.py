@@ -299,9 +299,9 @@ class Transformer:
         t = ids.shape[1]
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
         packed_head = (self.lm_head if head is None else head).packed
+        h = F.embedding(ids, self.embed).float()  # [B, T, H]
         if (self.native_int8_forward and tree is None and ids.shape[0] == 1 and cos.shape[-1] == c.head_dim
                 and int8_native.available()):
-            h = F.embedding(ids, self.embed).float()  # [1, T, H]
             return int8_native.draft_for(self).forward(h, cos, sin, cache.length, cache.k, cache.v, packed_head, rows)
         w = Int8Layers(self.layers, self.norm)  # made per call (tens of microseconds), so never stale
         if tree is not None:  # the attention op's tree, checked by it: new tokens see their ancestors
@@ -309,7 +309,6 @@ class Transformer:
             mask = tree_mask(tree, cache.length + t)
         else:
             mask = causal_mask(t, cache.length + t) if t > 1 else None  # a single query sees every cached key
-        h = F.embedding(ids, self.embed).float()  # [B, T, H]
         return scripted_forward()(
             h, cos, sin, mask, cache.length, cache.k, cache.v, w.wqkv, w.bqkv, w.wo, w.bo, w.w13, w.w2,
             w.input_norm, w.post_norm, w.norm, packed_head, rows,
