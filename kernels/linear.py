@@ -25,6 +25,11 @@
   as that many, and products of up to ``INVARIANT_MAX_ROWS`` rows run in blocks of the row counts
   measured to round each row as one row does: so a row comes out bit-identical inside a verify and
   alone (see both), and a prefill inside ``batched_rows()`` runs in one product.
+- bf16 weights on a CPU with AVX-512 BF16 take graphspec's own C++ kernel instead of oneDNN
+  (:class:`NativeWeight`, ``graphspec.kernels.cpu_native``): on the AMD EPYC machines it reads the
+  weights at the memory bandwidth with one thread, where oneDNN's bf16 products do not, costs about the
+  same for 1..8 rows, and gives every row the bits it gets alone, whatever the row count, with no padding
+  or splitting (perf/RESULTS.md section S). ``GRAPHSPEC_CPU_NATIVE=0`` (or ``layout="onednn"``) keeps oneDNN.
 - Draft models on a CPU may use ``quantize_weight`` instead: int8 weights (``Int8Weight``) run by
   torch's int8 GEMM, half the bytes of bf16; approximate, so for drafts only.
 """
@@ -40,10 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
+from graphspec.kernels import cpu_native
 from graphspec.kernels._dispatch import (EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, interpreter_enabled, rows_exact,
                                         use_triton)
 
-__all__ = ["Int8Weight", "PackedWeight", "linear", "linear_ref", "prepare_weight", "quantize_weight"]
+__all__ = ["Int8Weight", "NativeWeight", "PackedWeight", "linear", "linear_ref", "prepare_weight", "quantize_weight"]
 
 SKINNY_MAX_M = 16
 """Rows up to this count take the skinny (memory-bound) kernel; tl.dot needs 16 rows anyway."""
@@ -337,6 +343,33 @@ class PackedWeight:
         return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
+class NativeWeight:
+    """A bf16 ``[N, K]`` weight in the blocked layout of graphspec's C++ CPU kernel (``kernels/linear_cpu.cpp``).
+
+    Made by :func:`prepare_weight` on CPUs with AVX-512 BF16; ``linear`` accepts it wherever it accepts a weight.
+    ``packed`` is ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 (zero padded); the original tensor is not kept;
+    ``dense()`` rebuilds it (a copy).
+    """
+
+    __slots__ = ("packed", "shape", "dtype", "device")
+
+    def __init__(self, packed: torch.Tensor, shape: torch.Size):
+        self.packed = packed
+        self.shape = torch.Size(shape)
+        self.dtype = torch.bfloat16
+        self.device = torch.device("cpu")
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def dense(self) -> torch.Tensor:
+        return cpu_native.ops().unpack(self.packed, self.shape[0], self.shape[1])
+
+    def __repr__(self) -> str:
+        return f"NativeWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
     if weight.is_cuda or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -356,23 +389,51 @@ def _can_pack(weight: torch.Tensor) -> bool:
 _ROWS_HINT = {torch.float32: 8, torch.bfloat16: 1}
 
 
-def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None):
+LAYOUTS = ("auto", "native", "onednn")
+"""``prepare_weight``'s layouts on a CPU: auto (native for bf16 where it runs, else oneDNN), or either one."""
+
+
+def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None, layout: str = "auto"):
     """The layout ``linear`` runs fastest with on ``weight``'s device; call once, at load time.
 
-    CPU (torch path, oneDNN available, fp32 or bf16 with hardware bf16): a :class:`PackedWeight`.
-    Everywhere else (CUDA, the Triton backend, fp16 on CPU): ``weight`` itself, unchanged.
-    ``rows_hint`` is the number of rows ``x`` is expected to have, from which oneDNN picks its
-    blocking; the default is tuned for decode and verify (1..9 rows) per dtype.
+    CPU, torch path: bf16 weights become a :class:`NativeWeight` where graphspec's C++ kernel runs (AVX-512
+    BF16, a C++ compiler; ``graphspec.kernels.cpu_native``), else, like fp32 weights, a :class:`PackedWeight`
+    (oneDNN available; bf16 only with hardware bf16). Everywhere else (CUDA, the Triton backend, fp16 on CPU):
+    ``weight`` itself, unchanged. ``layout`` ("auto", "native", "onednn") picks one of the two CPU layouts;
+    "native" is an error where that kernel cannot run. ``rows_hint`` (oneDNN only) is the number of rows ``x``
+    is expected to have, from which oneDNN picks its blocking; the default is tuned for decode and verify
+    (1..9 rows) per dtype.
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
-    if use_triton(weight) or not _can_pack(weight) or weight.numel() == 0:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; expected one of {LAYOUTS}")
+    if rows_hint is not None and (isinstance(rows_hint, bool) or not isinstance(rows_hint, int) or rows_hint < 1):
+        raise ValueError(f"rows_hint={rows_hint!r}; expected a positive int (rows per call)")
+    if use_triton(weight) or weight.device.type != "cpu" or weight.numel() == 0:
+        if layout == "native":
+            raise ValueError("layout='native' is graphspec's CPU kernel for bf16 weights, but this weight is "
+                             f"{'empty' if weight.numel() == 0 else 'for the Triton backend or not on the CPU'}")
+        return weight
+    if layout == "native" or (layout == "auto" and weight.dtype == torch.bfloat16):
+        if weight.dtype == torch.bfloat16 and cpu_native.bf16_linear():
+            return NativeWeight(cpu_native.ops().pack(weight), weight.shape)
+        if layout == "native":
+            raise ValueError(f"layout='native' needs a bf16 weight (got {weight.dtype}) on a CPU where "
+                             f"graphspec.kernels.cpu_native runs its bf16 linear (bf16_linear() is "
+                             f"{cpu_native.bf16_linear()}: AVX-512 BF16 and a C++ compiler); use layout='auto' or "
+                             "'onednn'")
+    if not _can_pack(weight):
         return weight
     if rows_hint is None:
         rows_hint = _ROWS_HINT[weight.dtype]
-    if isinstance(rows_hint, bool) or not isinstance(rows_hint, int) or rows_hint < 1:
-        raise ValueError(f"rows_hint={rows_hint!r}; expected a positive int (rows per call)")
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
     return PackedWeight(packed, weight.shape, weight.dtype, rows_hint)
+
+
+def _linear_native(x: torch.Tensor, weight: NativeWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = weight.shape
+    y = cpu_native.ops().linear(x.reshape(-1, k), weight.packed, n, bias)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def _linear_packed(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -530,7 +591,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dimension ([..., K]), got a 0-d tensor")
-    packed = isinstance(weight, (PackedWeight, Int8Weight))
+    packed = isinstance(weight, (PackedWeight, NativeWeight, Int8Weight))
     if not packed:
         check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     elif x.device != weight.device:
@@ -554,6 +615,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
                              "plain, no quantize) or use backend='torch'")
         if isinstance(weight, Int8Weight):
             return _linear_int8(x, weight, bias)
+        if isinstance(weight, NativeWeight):
+            return _linear_native(x, weight, bias)
         return _linear_packed(x, weight, bias)
     if use_triton(x):
         return _linear_triton(x, weight, bias)

@@ -16,65 +16,32 @@ with one thread, 12.2 -> 8.7 with two; the GEMM-bound 0.5B gains only on several
 - ``GRAPHSPEC_INT8_NATIVE``: ``auto`` (default) builds it when a C++ compiler is there and otherwise warns
   once, saying why and how to fix it, and runs the TorchScript path; ``1`` requires it (a failed build is an
   error); ``0`` never uses it.
-- The build (torch.utils.cpp_extension, about 20 s on 2 cores, once per machine) goes to
-  ``$GRAPHSPEC_CACHE/native/<key>`` (default ``~/.cache/graphspec``), keyed by the source, torch, Python and
-  the CPU's flags (it is compiled with ``-march=native``); a lock keeps two processes from building at once.
+- The build: ``graphspec.kernels._native`` (torch.utils.cpp_extension, about 20 s on 2 cores, once per
+  machine, into ``$GRAPHSPEC_CACHE/native/int8-<key>``, keyed by the source, torch, Python and the CPU's flags).
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import os
-import platform
-import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from graphspec.kernels._native import NativeBuildError, build
+from graphspec.kernels._native import mode as _mode
 
 __all__ = ["ENV", "mode", "available", "draft_for", "NativeBuildError"]
 
 ENV = "GRAPHSPEC_INT8_NATIVE"
 _SOURCE = Path(__file__).with_name("int8_native.cpp")
 _NAME = "graphspec_int8_native"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
-
-
-class NativeBuildError(RuntimeError):
-    """The C++ int8 forward could not be built or loaded."""
+_WHAT = "the C++ int8 draft forward"
 
 
 def mode() -> str:
     """``GRAPHSPEC_INT8_NATIVE`` as one of "auto", "1", "0" (anything else is an error that says so)."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    aliases = {"auto": "auto", "1": "1", "on": "1", "true": "1", "0": "0", "off": "0", "false": "0"}
-    if value not in aliases:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}; use auto (the default: the C++ int8 draft forward when it "
-                         f"builds), 1 (require it) or 0 (the TorchScript path only)")
-    return aliases[value]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build_dir() -> Path:
-    from graphspec.models.zoo import cache_root
-
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
-                 _cpu_flags().encode(), " ".join(_CFLAGS).encode()):
-        key.update(part)
-        key.update(b"\0")
-    return cache_root() / "native" / f"int8-{key.hexdigest()[:16]}"
+    return _mode(ENV, _WHAT)
 
 
 @functools.cache
@@ -82,34 +49,7 @@ def _load() -> None:
     """Build (or reuse) and load the extension once per process; NativeBuildError says why not."""
     if not torch.backends.quantized.supported_engines or not hasattr(torch.ops.quantized, "linear_dynamic"):
         raise NativeBuildError("this torch build has no int8 CPU GEMM")
-    try:
-        from torch.utils import cpp_extension
-    except ImportError as e:  # pragma: no cover - part of every torch
-        raise NativeBuildError(f"torch.utils.cpp_extension is unavailable ({e})") from e
-    out = _build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    built = (out / f"{_NAME}.so").exists()
-    fd = os.open(out / "build.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"graphspec: waiting for another process that is building the C++ int8 draft forward in {out} ...",
-                  file=sys.stderr, flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            built = (out / f"{_NAME}.so").exists()
-        if not built:
-            print(f"graphspec: building the C++ int8 draft forward (once per machine, about 20 s) in {out} ...",
-                  file=sys.stderr, flush=True)
-        try:
-            cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(out),
-                               is_python_module=False, verbose=False)
-        except Exception as e:  # compiler missing or failing, ninja missing, headers missing
-            msg = str(e).strip().splitlines()
-            tail = "\n".join(msg[-12:])
-            raise NativeBuildError(f"building {_SOURCE.name} in {out} failed: {type(e).__name__}: {tail}") from e
-    finally:
-        os.close(fd)
+    build(_NAME, [_SOURCE], "int8", _WHAT)
     if not hasattr(torch.classes, _NAME) or not hasattr(getattr(torch.classes, _NAME), "Int8Draft"):
         raise NativeBuildError(f"{_NAME} loaded but registered no Int8Draft class")
 

@@ -58,6 +58,10 @@ def machine_info() -> dict:
 
     # whether int8 drafts ran their C++ forward (graphspec.models.int8_native) or TorchScript
     info["int8_native"] = int8_native.available()  # False where GRAPHSPEC_INT8_NATIVE=0
+    from graphspec.kernels import cpu_native
+
+    # whether bf16 weights ran graphspec's C++ linear (kernels/linear_cpu.cpp) or oneDNN
+    info["bf16_native"] = cpu_native.bf16_linear()  # False where GRAPHSPEC_CPU_NATIVE=0 or no AVX-512 BF16
     try:
         import transformers
 

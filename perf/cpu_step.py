@@ -3,8 +3,9 @@
     .venv/bin/python perf/cpu_step.py [--model NAME] [--dtypes bf16 fp32] [--threads 2] [--reps 9]
     .venv/bin/python perf/cpu_step.py --model smollm2-135m-instruct --quantize int8 --dtypes bf16 --tokens 1 2
 
-For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default;
-"plain": the same weights as plain tensors through ``F.linear``) it times ``model.step`` over
+For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default, which for
+bf16 on AVX-512 BF16 CPUs is graphspec's own kernel (kernels/linear_cpu.cpp); "onednn": oneDNN's
+packed layout; "plain": the same weights as plain tensors through ``F.linear``) it times ``model.step`` over
 T = 1, 2, 4, 8 new tokens after 256 cached ones and prints the median milliseconds, the ratio
 to the one-token step (the cost of a speculative verify) and the one-token step's achieved
 bandwidth (weight bytes / time) next to the memory read bandwidth measured in the same run. With
@@ -27,22 +28,25 @@ from perf._common import TARGET, machine_info, output_path, read_bandwidth, save
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def unpack(model) -> None:
-    """Swap every prepared weight for a plain tensor (the F.linear path)."""
+def relayout(model, layout: str) -> None:
+    """Swap every prepared weight for a plain tensor (``plain``: the F.linear path) or oneDNN's packed one."""
+    from graphspec.kernels.linear import prepare_weight
+
+    def convert(w):
+        dense = w.dense() if hasattr(w, "dense") else w
+        return dense if layout == "plain" else prepare_weight(dense, layout="onednn")
+
     for layer in model.layers:
         for name in ("wqkv", "wo", "w13", "w2"):
-            w = getattr(layer, name)
-            if hasattr(w, "dense"):
-                setattr(layer, name, w.dense())
-    if hasattr(model.lm_head, "dense"):
-        model.lm_head = model.lm_head.dense()
+            setattr(layer, name, convert(getattr(layer, name)))
+    model.lm_head = convert(model.lm_head)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=TARGET)
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
-    ap.add_argument("--layouts", nargs="+", default=["packed", "plain"], choices=["packed", "plain"])
+    ap.add_argument("--layouts", nargs="+", default=["packed", "plain"], choices=["packed", "onednn", "plain"])
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--reps", type=int, default=9)
@@ -77,8 +81,8 @@ def main(argv=None) -> int:
         model = load_model(args.model, dtype=DTYPES[dname], quantize=quantize)
         nbytes = step_weight_bytes(model)
         for layout in ([f"int8-{f}" for f in args.int8_forwards] if quantize else args.layouts):
-            if layout == "plain":
-                unpack(model)
+            if layout in ("plain", "onednn"):
+                relayout(model, layout)
             if quantize:
                 model.native_int8_forward = layout == "int8-native"
                 if layout == "int8-native" and not int8_native.available():

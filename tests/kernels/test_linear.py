@@ -124,7 +124,7 @@ def test_bad_input_raises_value_error_naming_argument(call, match):
         call()
 
 
-# --- prepare_weight: the oneDNN-packed CPU layout --------------------------------------------------------------
+# --- prepare_weight: the oneDNN-packed CPU layout (bf16 weights on AVX-512 BF16: test_cpu_native.py) ------------
 
 needs_pack = pytest.mark.skipif(not _can_pack(torch.zeros(1, 1)), reason="oneDNN is not available in this torch")
 # oneDNN and F.linear accumulate in fp32 in different orders: fp32 ~1e-6 relative; bf16 outputs may
@@ -137,7 +137,7 @@ PACK_DTYPES = [torch.float32] + ([torch.bfloat16] if _can_pack(torch.zeros(1, 1,
 @pytest.mark.parametrize("m", [1, 2, 5, 9, 33])
 def test_packed_weight_matches_reference(m, dtype):
     x, w, b = _inputs(m, 130, 423, dtype, bias=(m % 2 == 1))
-    pw = prepare_weight(w)
+    pw = prepare_weight(w, layout="onednn")  # bf16 "auto" may be the native kernel: test_cpu_native.py
     assert isinstance(pw, PackedWeight) and pw.shape == w.shape and pw.dtype == dtype
     y = linear(x, pw, b)
     assert y.dtype == dtype and y.shape == (m, 423)
@@ -213,7 +213,7 @@ def test_packed_rows_are_bit_identical_whatever_the_row_count(dtype, threads, mo
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(0)
-        weights = [prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype))
+        weights = [prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype), layout="onednn")
                    for n, k in ((896, 4864), (4000, 600), (77, 130), (1536, 8960), (4096, 11008))]
         xs = [torch.randn(24, w.shape[1], generator=g).to(dtype) for w in weights]
         mismatches = {}

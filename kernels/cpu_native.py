@@ -1,0 +1,82 @@
+"""graphspec's own C++ CPU kernels, built on first use and cached: the bf16 linear (``linear_cpu.cpp``).
+
+Why: on the 2-core AMD EPYC (Zen 4) machines oneDNN's bf16 products do not read the weights at the memory
+bandwidth with one thread, and its 7- and 8-row kernels cost much more than its 1-6-row ones; this kernel
+reads each weight once per call for up to 8 rows at a time, at the bandwidth, and a row's result does not
+depend on the row count or the thread count (see the C++ file). Measured: perf/RESULTS.md section S.
+
+- ``linear``: bf16 weights on a CPU with AVX-512 BF16 (``bf16_linear()``), through
+  :func:`graphspec.kernels.linear.prepare_weight` (:class:`~graphspec.kernels.linear.NativeWeight`).
+  Elsewhere bf16 weights take oneDNN's packed layout (or ``F.linear``) as before.
+- ``GRAPHSPEC_CPU_NATIVE``: ``auto`` (default) builds the kernels when a C++ compiler is there, and otherwise
+  warns once, saying why and how to fix it, and uses the torch paths; ``1`` requires them (a failed build is
+  an error); ``0`` never uses them.
+- The build: ``graphspec.kernels._native`` (about 20 s on 2 cores, once per machine, cached).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+from graphspec.kernels._native import NativeBuildError, build
+from graphspec.kernels._native import mode as _mode
+
+__all__ = ["ENV", "NativeBuildError", "available", "bf16_linear", "mode", "ops"]
+
+ENV = "GRAPHSPEC_CPU_NATIVE"
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "linear_cpu.cpp"]
+_NAME = "graphspec_cpu"
+_WHAT = "graphspec's C++ CPU kernels"
+
+
+def mode() -> str:
+    """``GRAPHSPEC_CPU_NATIVE`` as "auto", "1" or "0" (anything else is an error that says so)."""
+    return _mode(ENV, _WHAT)
+
+
+@functools.cache
+def _load() -> None:
+    """Build (or reuse) and load the extension once per process; NativeBuildError says why not."""
+    build(_NAME, _SOURCES, "cpu", _WHAT)
+    if not hasattr(torch.ops, _NAME) or not hasattr(getattr(torch.ops, _NAME), "linear"):
+        raise NativeBuildError(f"{_NAME} loaded but registered no linear op")
+
+
+_warned = False
+
+
+def available() -> bool:
+    """Whether the C++ CPU kernels run here (builds on first call; see the module doc for the modes)."""
+    global _warned
+    m = mode()
+    if m == "0":
+        return False
+    try:
+        _load()
+        return True
+    except NativeBuildError as e:
+        if m == "1":
+            raise NativeBuildError(f"{ENV}=1 requires {_WHAT}, but {e}. Install a C++ compiler (g++) and ninja, or "
+                                   f"set {ENV}=auto or 0 to use the torch paths") from e
+        if not _warned:
+            _warned = True
+            warnings.warn(f"graphspec: {_WHAT} are unavailable ({e}); bf16 weights use oneDNN (a bf16 step of a "
+                          f"1.5B model about 1.4x slower with one thread on the AMD EPYC). Install g++ and ninja to "
+                          f"build them, or set {ENV}=0 to choose the torch paths and silence this", RuntimeWarning,
+                          stacklevel=3)
+        return False
+
+
+def bf16_linear() -> bool:
+    """Whether bf16 weights take the C++ linear here: the kernels run and were built with AVX-512 BF16."""
+    return available() and bool(ops().supported())
+
+
+def ops():
+    """The extension's torch ops (``supported``, ``pack``, ``unpack``, ``linear``); after ``available()``."""
+    return getattr(torch.ops, _NAME)

@@ -1,0 +1,161 @@
+"""graphspec's C++ CPU kernels: the bf16 linear (kernels/linear_cpu.cpp, AVX-512 BF16) against F.linear, and the dispatch.
+
+Skipped where the kernel cannot run (no AVX-512 BF16); the mode tests run everywhere.
+"""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from graphspec.kernels import _native, cpu_native, use_backend
+from graphspec.kernels.linear import NativeWeight, PackedWeight, linear, linear_ref, prepare_weight
+from tests.kernels._compare import assert_close
+
+linear_mod = importlib.import_module("graphspec.kernels.linear")
+
+needs_native = pytest.mark.skipif(not cpu_native.bf16_linear(), reason="graphspec's bf16 CPU kernel does not run here "
+                                  "(it needs AVX-512 BF16 and a C++ compiler)")
+
+# Both sides sum exact bf16 products in fp32 in different orders (~1e-6 relative) and round to bf16 to
+# nearest even, so outputs may be one bf16 ulp (2^-8 relative) apart; the inputs keep outputs O(1).
+RTOL, ATOL = 1e-2, 1.6e-2
+
+
+def _inputs(m, k, n, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+@needs_native
+@pytest.mark.parametrize("k,n", [(130, 423), (17, 3), (1, 16), (33, 48), (64, 1), (96, 200)])
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 9, 16, 23])
+def test_native_matches_reference(m, k, n):
+    """Odd K (padded to pairs), N off the 16-output blocks (masked stores), 1..8 rows and several tiles of 8."""
+    x, w, b = _inputs(m, k, n, bias=(m % 2 == 1), seed=m * 1000 + k + n)
+    nw = prepare_weight(w)
+    assert isinstance(nw, NativeWeight) and nw.shape == w.shape and nw.dtype == torch.bfloat16
+    y = linear(x, nw, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n) and y.is_contiguous()
+    assert_close(y, linear_ref(x.float(), w.float(), None if b is None else b.float()), RTOL, ATOL,
+                 name=f"native linear m={m} k={k} n={n}")
+    assert torch.equal(nw.dense(), w)  # the layout changes, the values do not
+
+
+@needs_native
+def test_native_strided_inputs_leading_dims_and_empty():
+    x, w, b = _inputs(40, 96, 77)
+    nw = prepare_weight(w.t().contiguous().t())  # a column-major weight packs the same
+    x4 = torch.randn(2, 9, 3, 96).bfloat16()[:, 1:8:2]  # [2, 4, 3, 96], not viewable as 2-D
+    b2 = torch.randn(154).bfloat16()[::2]
+    ref = linear_ref(x4.float(), w.float(), b2.float())
+    assert_close(linear(x4, nw, b2), ref, RTOL, ATOL, name="native 4-D strided")
+    assert_close(linear(x4[0, 0, 0], nw), linear_ref(x4[0, 0, 0].float(), w.float()), RTOL, ATOL, name="1-D")
+    xt = torch.randn(96, 5).bfloat16().t()  # [5, 96] with stride (1, 5)
+    assert_close(linear(xt, nw), linear_ref(xt.float(), w.float()), RTOL, ATOL, name="column-major x")
+    assert linear(torch.randn(0, 96).bfloat16(), nw).shape == (0, 77)
+
+
+@needs_native
+def test_native_closer_to_exact_than_one_ulp_on_a_long_k():
+    """A down projection's K = 8960: the fp32 sum stays within bf16 rounding of the float64 product."""
+    x, w, _ = _inputs(3, 8960, 50)
+    y = linear(x, prepare_weight(w)).double()
+    exact = x.double() @ w.double().T
+    assert ((y - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_rows_are_bit_identical_whatever_the_row_count_and_threads(threads):
+    """Row i of an M-row product equals its one-row product, for M = 1..24, and the thread count changes nothing.
+
+    This is what keeps greedy speculative output (a verify of K+1 rows) equal to autoregressive output (one row a
+    step) in bf16, with no padding or splitting (unlike oneDNN's kernels: test_linear.py).
+    """
+    old = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    weights = [prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).bfloat16())
+               for n, k in ((896, 4864), (4000, 600), (77, 131), (1536, 8960), (300, 64))]
+    xs = [torch.randn(24, w.shape[1], generator=g).bfloat16() for w in weights]
+    try:
+        torch.set_num_threads(1)
+        alone = [[linear(x[i:i + 1], w)[0] for i in range(x.shape[0])] for w, x in zip(weights, xs)]
+        torch.set_num_threads(threads)
+        mismatches = [(tuple(w.shape), m, i) for w, x, a in zip(weights, xs, alone) for m in range(1, 25)
+                      for i, row in enumerate(linear(x[:m], w)) if not torch.equal(row, a[i])]
+    finally:
+        torch.set_num_threads(old)
+    assert mismatches == [], mismatches[:10]
+
+
+@needs_native
+def test_native_refuses_triton_and_bad_shapes():
+    nw = prepare_weight(torch.randn(8, 4).bfloat16())
+    with use_backend("triton"), pytest.raises(ValueError, match="NativeWeight"):
+        linear(torch.randn(2, 4).bfloat16(), nw)
+    with pytest.raises(ValueError, match="K must match"):
+        linear(torch.randn(2, 5).bfloat16(), nw)
+    with pytest.raises(ValueError, match="dtype"):
+        linear(torch.randn(2, 4), nw)
+    with pytest.raises(ValueError, match="bias"):
+        linear(torch.randn(2, 4).bfloat16(), nw, torch.randn(7).bfloat16())
+    with pytest.raises(RuntimeError, match="does not hold a"):  # the op checks what it is handed
+        cpu_native.ops().linear(torch.randn(2, 6).bfloat16(), nw.packed, 8, None)
+
+
+def test_prepare_weight_layouts():
+    w = torch.randn(8, 4).bfloat16()
+    with pytest.raises(ValueError, match="layout='sideways'; expected one of"):
+        prepare_weight(w, layout="sideways")
+    with pytest.raises(ValueError, match="needs a bf16 weight"):
+        prepare_weight(torch.randn(8, 4), layout="native")
+    with use_backend("triton"):
+        assert prepare_weight(w) is w
+        with pytest.raises(ValueError, match="layout='native'"):
+            prepare_weight(w, layout="native")
+    if cpu_native.bf16_linear():
+        assert isinstance(prepare_weight(w), NativeWeight)
+        assert isinstance(prepare_weight(w, layout="native"), NativeWeight)
+    else:
+        assert not isinstance(prepare_weight(w), NativeWeight)
+        with pytest.raises(ValueError, match="needs a bf16 weight"):
+            prepare_weight(w, layout="native")
+    onednn = prepare_weight(w, layout="onednn")
+    assert isinstance(onednn, (PackedWeight, torch.Tensor)) and not isinstance(onednn, NativeWeight)
+    assert isinstance(prepare_weight(torch.randn(8, 4)), (PackedWeight, torch.Tensor))  # fp32: never native
+
+
+def test_mode_switch(monkeypatch):
+    monkeypatch.setenv(cpu_native.ENV, "0")
+    assert not cpu_native.available()
+    assert not isinstance(prepare_weight(torch.randn(8, 4).bfloat16()), NativeWeight)
+    monkeypatch.setenv(cpu_native.ENV, "sometimes")
+    with pytest.raises(ValueError, match="GRAPHSPEC_CPU_NATIVE='sometimes'; use auto"):
+        cpu_native.available()
+
+
+def test_failed_build_warns_once_in_auto_and_raises_when_required(monkeypatch):
+    def fail(*args, **kwargs):
+        raise _native.NativeBuildError("no compiler (test)")
+
+    monkeypatch.setattr(cpu_native, "build", fail)
+    monkeypatch.setattr(cpu_native, "_warned", False)
+    cpu_native._load.cache_clear()
+    try:
+        monkeypatch.setenv(cpu_native.ENV, "1")
+        with pytest.raises(_native.NativeBuildError, match="requires graphspec.s C.. CPU kernels.*no compiler"):
+            cpu_native.available()
+        monkeypatch.setenv(cpu_native.ENV, "auto")
+        with pytest.warns(RuntimeWarning, match="unavailable .no compiler .test..; bf16 weights use oneDNN"):
+            assert not cpu_native.available()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not cpu_native.available()  # once
+            assert not isinstance(prepare_weight(torch.randn(8, 4).bfloat16()), NativeWeight)
+    finally:
+        cpu_native._load.cache_clear()  # the next test builds (loads) it for real again
