@@ -75,6 +75,7 @@ class RowPlan:
 
     def __init__(self, paths: List[List[int]]):
         self.lengths = [len(path) for path in paths]
+        self.nodes = [node for path in paths for node in path]  # the paths end to end (the C++ kernel's input)
         held = list(range(len(paths)))
         self.writes: List[List[int]] = []
         for path in paths:

@@ -89,8 +89,9 @@ def test_dispatch_runs_triton_when_asked_and_picks_a_kernel():
     with use_backend("triton"):
         out = attention(q, k, v, scale=0.05)
     assert_close(out, attention_ref(q, k, v, scale=0.05), *TOL[torch.float32], name="attention(triton)")
-    with use_backend("torch"):
-        assert torch.equal(attention(q, k, v, scale=0.05), attention_ref(q, k, v, scale=0.05))
+    with use_backend("torch"):  # the CPU path: C++ rows (kernels/attention_cpu.cpp) or one-row SDPA calls
+        assert_close(attention(q, k, v, scale=0.05), attention_ref(q, k, v, scale=0.05), *TOL[torch.float32],
+                     name="attention(torch)")
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 9, 8, 2, 80), (1, 5, 12, 6, 1, 64), (2, 7, 7, 4, 4, 128)])
@@ -236,6 +237,7 @@ EXACT_TRIALS = [
     (9, 530, None, (1, 12, 2, 128)),
     (1, 70, None, (2, 9, 3, 80)),
     (1, 47, None, (1, 1, 1, 64)),
+    (4, 33, None, (1, 4, 2, 72)),  # a head dim off the C++ kernel's 16-float vectors: its scalar loop
     (20, 37, "deep", (1, 6, 2, 64)),
     (40, 101, "deep", (2, 3, 1, 80)),
     (33, 16, None, (1, 2, 2, 64)),
@@ -251,8 +253,20 @@ def _exact_trial(trial, dtype, g):
     return q, k, v, parents
 
 
+@pytest.fixture(params=["native", "torchscript"])
+def cpu_rows(request, monkeypatch):
+    """The CPU row-exact path under test: C++ (kernels/attention_cpu.cpp, where it builds) or TorchScript SDPA rows."""
+    from graphspec.kernels import cpu_native
+
+    if request.param == "native" and not cpu_native.available():
+        pytest.skip("graphspec's C++ CPU kernels do not build here")
+    if request.param == "torchscript":
+        monkeypatch.setattr(cpu_native, "available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype):
+def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype, cpu_rows):
     """On the CPU path, row j of a tree verify is exactly a one-token step over the prefix and j's path.
 
     Greedy tree verification is lossless only if each row rounds as the token-by-token decode of its
@@ -286,7 +300,7 @@ def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_cpu_exact_rows_match_definition(dtype):
+def test_cpu_exact_rows_match_definition(dtype, cpu_rows):
     """The CPU verify path is attention: each row against float64 attention over exactly its keys."""
     g = torch.Generator().manual_seed(1)
     atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else TOL[dtype]
@@ -477,7 +491,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_verify_rows_equal_one_token_steps_bitwise(dtype):
+def test_cpu_verify_rows_equal_one_token_steps_bitwise(dtype, cpu_rows):
     """On the CPU path, row j of a T-row verify is exactly the one-token step at that position.
 
     Greedy speculative output can only equal autoregressive output bit for bit if each verify row
@@ -502,10 +516,13 @@ def test_batched_rows_runs_a_block_as_one_call(monkeypatch):
     """Inside batched_rows() (a prefill) a verify-sized block is one batched call, not row by row."""
     import importlib
 
+    from graphspec.kernels import cpu_native
+
     cpu_mod = importlib.import_module("graphspec.kernels._attention_cpu")
     rowwise = []
     real = cpu_mod.attend
     monkeypatch.setattr(cpu_mod, "attend", lambda *a, **kw: rowwise.append(1) or real(*a, **kw))
+    monkeypatch.setattr(cpu_native, "available", lambda: False)  # the C++ rows: test_cpu_native.py
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 12, 4, 64, generator=g)
     k = torch.randn(1, 30, 2, 64, generator=g)

@@ -1,6 +1,8 @@
-"""graphspec's C++ CPU kernels: the bf16 linear (kernels/linear_cpu.cpp, AVX-512 BF16) against F.linear, and the dispatch.
+"""graphspec's C++ CPU kernels: the bf16 linear (kernels/linear_cpu.cpp, AVX-512 BF16) against F.linear, the
+decode/verify attention (kernels/attention_cpu.cpp; its row exactness and maths against the definition are in
+test_attention.py, for both CPU paths), and the dispatch.
 
-Skipped where the kernel cannot run (no AVX-512 BF16); the mode tests run everywhere.
+Skipped where a kernel cannot run (no compiler; the linear also needs AVX-512 BF16); the mode tests run everywhere.
 """
 
 import importlib
@@ -9,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from graphspec.kernels import _native, cpu_native, use_backend
+from graphspec.kernels import _native, attention, attention_ref, batched_rows, cpu_native, use_backend
+from graphspec.kernels.attention import ancestor_mask
 from graphspec.kernels.linear import NativeWeight, PackedWeight, linear, linear_ref, prepare_weight
 from tests.kernels._compare import assert_close
 
@@ -17,6 +20,8 @@ linear_mod = importlib.import_module("graphspec.kernels.linear")
 
 needs_native = pytest.mark.skipif(not cpu_native.bf16_linear(), reason="graphspec's bf16 CPU kernel does not run here "
                                   "(it needs AVX-512 BF16 and a C++ compiler)")
+
+needs_kernels = pytest.mark.skipif(not cpu_native.available(), reason="graphspec's C++ CPU kernels do not build here")
 
 # Both sides sum exact bf16 products in fp32 in different orders (~1e-6 relative) and round to bf16 to
 # nearest even, so outputs may be one bf16 ulp (2^-8 relative) apart; the inputs keep outputs O(1).
@@ -106,6 +111,72 @@ def test_native_refuses_triton_and_bad_shapes():
         linear(torch.randn(2, 4).bfloat16(), nw, torch.randn(7).bfloat16())
     with pytest.raises(RuntimeError, match="does not hold a"):  # the op checks what it is handed
         cpu_native.ops().linear(torch.randn(2, 6).bfloat16(), nw.packed, 8, None)
+
+
+def _attn_inputs(b, t, cached, hq, hk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, cached + t, hk, d, generator=g).to(dtype)
+    v = torch.randn(b, cached + t, hk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_native_attention_is_the_same_bits_with_any_thread_count(dtype):
+    q, k, v = _attn_inputs(2, 6, 41, 12, 2, 128, dtype)
+    tree = ancestor_mask([-1, 0, 0, 1, 2, 3], device="cpu")
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append((attention(q, k, v), attention(q, k, v, tree=tree)))
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@needs_kernels
+def test_native_attention_runs_decode_and_verify_but_not_prefills_or_fp16(monkeypatch):
+    """One-token steps and verify blocks take the C++ rows; a prefill (batched_rows) and fp16 keep SDPA."""
+    calls = []
+    real = cpu_native.ops
+
+    class Counting:
+        def __getattr__(self, name):
+            op = getattr(real(), name)
+            return (lambda *a: calls.append(a[0].shape[1]) or op(*a)) if name == "attend" else op
+
+    monkeypatch.setattr(cpu_native, "ops", lambda: Counting())
+    q, k, v = _attn_inputs(1, 5, 20, 4, 2, 64, torch.float32)
+    with use_backend("torch"):
+        one = attention(q[:, :1], k[:, :21], v[:, :21])
+        block = attention(q, k, v)
+        assert calls == [1, 5]
+        with batched_rows():
+            batched = attention(q, k, v)
+        attention(q.half(), k.half(), v.half())
+        assert calls == [1, 5]
+    assert torch.equal(one, block[:, :1])
+    assert torch.equal(batched, attention_ref(q, k, v))
+    assert_close(block, batched, 1e-5, 1e-5, name="C++ rows against SDPA")
+
+
+@needs_kernels
+def test_native_attention_checks_its_inputs():
+    q, k, v = _attn_inputs(1, 3, 5, 4, 2, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="row 2.s path must be non-empty and end at itself"):
+        cpu_native.ops().attend(q, k, v, 0.1, [1, 2, 2], [0, 0, 1, 0, 1])
+    with pytest.raises(RuntimeError, match="rise through earlier nodes"):
+        cpu_native.ops().attend(q, k, v, 0.1, [1, 2, 2], [0, 1, 1, 1, 2])
+    with pytest.raises(RuntimeError, match="one path length per new token"):
+        cpu_native.ops().attend(q, k, v, 0.1, [1, 2], [0, 0, 1])
+    t = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, L, Hk, D] with another key stride than v's
+    with pytest.raises(RuntimeError, match="share their layout"):
+        cpu_native.ops().attend(q, t, v, 0.1, [1, 2, 3], [0, 0, 1, 0, 1, 2])
+    with use_backend("torch"):  # the Python side makes such k, v contiguous first
+        assert_close(attention(q, t, v), attention_ref(q, k, v), 1e-5, 1e-5, name="strided k")
 
 
 def test_prepare_weight_layouts():

@@ -1,0 +1,211 @@
+// Decode and verify attention on the CPU, one query row at a time: graphspec.kernels.attention's CPU path for
+// blocks of 1..EXACT_ROWS_MAX new tokens (a decode step, a speculative verify), built with linear_cpu.cpp.
+//
+// Why: a verify's query row must come out bit-identical to the one-token step at its position, or bf16 greedy
+// speculative output drifts from autoregressive. Torch's CPU SDPA rounds a row differently by how many rows
+// share its call, so the torch path ran each verify row as its own SDPA call (graphspec.kernels._attention_cpu):
+// on the Qwen2.5-1.5B target with 2 threads that cost 16-22 ms of a 6-8 row verify (perf/RESULTS.md section S).
+// Here every (batch, kv head, row) is computed by the same loop over exactly the keys that row sees, in the
+// order a one-token step's cache holds them: the cached keys, then the row's path through the new ones (with a
+// tree: its ancestors and itself; a chain: new keys 0..j). Nothing depends on the other rows or on the thread
+// count, so a row's output is the same bits in a decode step and in any verify.
+//
+// Maths, per query head: s_i = scale * q . k_i (fp32 sums over D), p_i = exp(s_i - max s) / sum_j exp(s_j - max s)
+// (a polynomial exp, relative error < 3e-7, _native_math.h), out = sum_i p_i v_i, rounded to the input dtype to
+// nearest even. K and V are read in their storage dtype (bf16 or fp32) and widened to fp32.
+
+#include <torch/script.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "_native_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX512F__)
+// 16 consecutive values as fp32 (bf16 widened exactly: its bits are the top half of an fp32's).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+constexpr bool kVector = true;
+#else
+constexpr bool kVector = false;
+#endif
+
+constexpr int64_t kMaxChunks = 16;  // D up to 256 in registers on the vector path
+constexpr int64_t kHeadsPerPass = 3;  // query heads whose outputs (D/16 zmm each) accumulate together
+
+// One (batch, kv head, row): G query heads over `n` keys whose slots are `slot[0..n)`; out[g * d ..] fp32.
+// The vector path (AVX-512, D a multiple of 16) and the scalar one each fix their order of the sums.
+template <typename T>
+void attend_row(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t key_stride, const int64_t* slot,
+                int64_t n, int64_t g, int64_t d, float scale, float* scores, float* qf, float* acc) {
+  for (int64_t h = 0; h < g; ++h)
+    for (int64_t e = 0; e < d; ++e) qf[h * d + e] = widen(q[h * q_head_stride + e]);
+  const bool vec = kVector && d % 16 == 0 && d / 16 <= kMaxChunks;
+#if defined(__AVX512F__)
+  if (vec) {
+    const int64_t c = d / 16;
+    for (int64_t i = 0; i < n; ++i) {  // scores: each key widened once, dotted with every head
+      const T* ki = k + slot[i] * key_stride;
+      __m512 kv[kMaxChunks];
+      for (int64_t x = 0; x < c; ++x) kv[x] = load16(ki + 16 * x);
+      for (int64_t h = 0; h < g; ++h) {
+        const float* qh = qf + h * d;
+        __m512 s = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
+        for (int64_t x = 1; x < c; ++x) s = _mm512_fmadd_ps(kv[x], _mm512_loadu_ps(qh + 16 * x), s);
+        scores[h * n + i] = _mm512_reduce_add_ps(s) * scale;
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < n; ++i) {
+      const T* ki = k + slot[i] * key_stride;
+      for (int64_t h = 0; h < g; ++h) {
+        const float* qh = qf + h * d;
+        float s = 0.f;
+        for (int64_t e = 0; e < d; ++e) s += qh[e] * widen(ki[e]);
+        scores[h * n + i] = s * scale;
+      }
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {  // softmax weights, unnormalised; 1 / sum kept in scores' first slot's place
+    float* sh = scores + h * n;
+    float mx = sh[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sh[i] = graphspec_native::fast_exp(sh[i] - mx);
+      sum += sh[i];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+  }
+#if defined(__AVX512F__)
+  if (vec) {
+    const int64_t c = d / 16;
+    for (int64_t h0 = 0; h0 < g; h0 += kHeadsPerPass) {  // a few heads at a time: their sums stay in registers
+      const int64_t hn = std::min(kHeadsPerPass, g - h0);
+      __m512 ac[kHeadsPerPass][kMaxChunks];
+      for (int64_t h = 0; h < hn; ++h)
+        for (int64_t x = 0; x < c; ++x) ac[h][x] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const T* vi = v + slot[i] * key_stride;
+        for (int64_t x = 0; x < c; ++x) {
+          const __m512 vx = load16(vi + 16 * x);
+          for (int64_t h = 0; h < hn; ++h)
+            ac[h][x] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(h0 + h) * n + i]), vx, ac[h][x]);
+        }
+      }
+      for (int64_t h = 0; h < hn; ++h)
+        for (int64_t x = 0; x < c; ++x) _mm512_storeu_ps(acc + (h0 + h) * d + 16 * x, ac[h][x]);
+    }
+    return;
+  }
+#endif
+  for (int64_t h = 0; h < g; ++h) {
+    const float* sh = scores + h * n;
+    float* ah = acc + h * d;
+    for (int64_t e = 0; e < d; ++e) ah[e] = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const T* vi = v + slot[i] * key_stride;
+      for (int64_t e = 0; e < d; ++e) ah[e] += sh[i] * widen(vi[e]);
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, const int64_t* lengths,
+         const int64_t* starts, const int64_t* nodes, at::Tensor& out) {
+  const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3);
+  const int64_t l = k.size(1), hk = k.size(2), g = hq / hk, base = l - t;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  TORCH_CHECK(ks1 == vs1, "attention_cpu: k and v must share their layout");
+  const int64_t units = b * hk * t;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<int64_t> slot(l);
+    std::vector<float> scores(g * l), qf(g * d), acc(g * d);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t j = u % t, kh = (u / t) % hk, bi = u / (t * hk);
+      int64_t n = 0;
+      for (int64_t i = 0; i < base; ++i) slot[n++] = i;
+      for (int64_t p = 0; p < lengths[j]; ++p) slot[n++] = base + nodes[starts[j] + p];
+      const T* qrow = qp + bi * qs0 + j * qs1 + kh * g * qs2;
+      attend_row<T>(qrow, qs2, kp + bi * ks0 + kh * ks2, vp + bi * vs0 + kh * vs2, ks1, slot.data(), n, g, d,
+                    static_cast<float>(scale), scores.data(), qf.data(), acc.data());
+      T* orow = op + ((bi * t + j) * hq + kh * g) * d;
+      for (int64_t e = 0; e < g * d; ++e) orow[e] = static_cast<T>(acc[e]);
+    }
+  });
+}
+
+// q [B, T, Hq, D] (last dim contiguous), k, v [B, L, Hk, D] (the cache's views). Row j sees the L - T cached
+// keys, then the new nodes nodes[sum(lengths[:j]) ..][:lengths[j]], in order, ending at itself (a chain: 0..j).
+// Returns [B, T, Hq, D] contiguous in q's dtype.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                  c10::IntArrayRef lengths, c10::IntArrayRef nodes) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention_cpu: q, k, v must be 4-d");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention_cpu: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "attention_cpu: q, k, v must share one dtype");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attention_cpu: the head dim must be contiguous");
+  const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), l = k.size(1), hk = k.size(2);
+  TORCH_CHECK(k.size(0) == b && v.size(0) == b && k.sizes() == v.sizes() && k.size(3) == d && hk > 0 && hq % hk == 0,
+              "attention_cpu: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == t && t <= l, "attention_cpu: one path length per new token");
+  std::vector<int64_t> starts(t);
+  int64_t total = 0;
+  for (int64_t j = 0; j < t; ++j) {
+    starts[j] = total;
+    total += lengths[j];
+    TORCH_CHECK(lengths[j] >= 1 && total <= static_cast<int64_t>(nodes.size()) && nodes[total - 1] == j,
+                "attention_cpu: row ", j, "'s path must be non-empty and end at itself");
+    for (int64_t p = starts[j]; p < total; ++p)
+      TORCH_CHECK(nodes[p] >= 0 && nodes[p] <= j && (p == starts[j] || nodes[p] > nodes[p - 1]),
+                  "attention_cpu: row ", j, "'s path must rise through earlier nodes, got node ", nodes[p]);
+  }
+  TORCH_CHECK(total == static_cast<int64_t>(nodes.size()), "attention_cpu: ", nodes.size(), " nodes for paths of ",
+              total);
+  at::Tensor out = at::empty({b, t, hq, d}, q.options());
+  if (b == 0 || t == 0) return out;
+  if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(q, k, v, scale, lengths.data(), starts.data(), nodes.data(), out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "attention_cpu: bf16 or fp32 only, got ", q.scalar_type());
+    run<float>(q, k, v, scale, lengths.data(), starts.data(), nodes.data(), out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(graphspec_cpu, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, float scale, int[] lengths, int[] nodes) -> Tensor", &attend);
+}
