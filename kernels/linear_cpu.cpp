@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -145,17 +146,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
   const auto* ws = reinterpret_cast<const uint32_t*>(p.data_ptr());
   const float* bs = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* ys = y.data_ptr<at::BFloat16>();
-  // Tasks of 12 blocks (192 outputs), a multiple of both tile widths. A tile of 3-4 blocks multiplies every
-  // chunk of up to 8 rows in turn, so a prefill re-reads those blocks' weights from cache, not from memory.
+  // Tasks of 12 blocks (192 outputs), a multiple of both tile widths. More than 8 rows (a wide verify, a prefill)
+  // go in equal chunks (9 as 5 + 4, not 8 + 1: a 1-row chunk leaves the multipliers waiting on one sum), and a
+  // tile multiplies every chunk in turn, so its weights are re-read from cache, not from memory.
   constexpr int64_t kGroup = 12;
-  const int top = static_cast<int>(rows < kMaxRows ? rows : kMaxRows);
-  const int64_t width = top <= 6 ? 4 : 3;
+  const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t step = (rows + chunks - 1) / chunks;
+  const int64_t width = step <= 6 ? 4 : 3;
   at::parallel_for(0, (nb + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
     const int64_t b_end = g1 * kGroup < nb ? g1 * kGroup : nb;
     for (int64_t b = g0 * kGroup; b < b_end; b += width) {
       const int w = static_cast<int>(b_end - b < width ? b_end - b : width);
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int chunk = static_cast<int>(rows - r < kMaxRows ? rows - r : kMaxRows);
+      for (int64_t r = 0; r < rows; r += step) {
+        const int chunk = static_cast<int>(rows - r < step ? rows - r : step);
         tile_any(chunk, w, xs + r * kp, kp, ws, kp, bs, ys + r * n, n, b, n);
       }
     }
