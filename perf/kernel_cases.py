@@ -6,7 +6,10 @@ Each case builds its inputs once and offers one callable per provider:
   where only the interpreter exists);
 - ``torch``: the best plain-torch equivalent: ``F.linear`` (cuBLAS / oneDNN), SDPA, and the
   ``<op>_ref`` references for the small ops;
-- ``packed`` (CPU only): ``linear`` with ``prepare_weight`` (graphspec's CPU fast path).
+- ``packed`` (CPU only): ``linear`` with ``prepare_weight`` (graphspec's CPU fast path: for bf16 on
+  AVX-512 BF16 CPUs its own C++ kernel, kernels/linear_cpu.cpp; else oneDNN's packed layout);
+- ``onednn`` (CPU only, bf16 linears where ``packed`` is the C++ kernel): oneDNN's packed layout;
+- ``native`` (CPU only, attention): graphspec's C++ decode/verify attention (kernels/attention_cpu.cpp).
 
 Figures from stated formulas, per call of median time t:
 - matmul ``[M, K] x [K, N]``: TFLOP/s = 2 M N K / t; bytes = (M K + N K + M N) * element size.
@@ -59,6 +62,9 @@ def linear_case(m: int, n: int, k: int, dtype, device, tag: str = "") -> Case:
         pw = prepare_weight(w)
         if pw is not w:
             providers["packed"] = lambda: linear(x, pw)
+        dw = prepare_weight(w, layout="onednn")
+        if type(dw) is not type(pw):
+            providers["onednn"] = lambda: linear(x, dw)
         if m <= 16 and torch.backends.quantized.engine in ("x86", "fbgemm"):
             qw = quantize_weight(w)  # draft weights; GB/s below counts the dtype's bytes, not int8's
             providers["int8"] = lambda: linear(x, qw)
@@ -91,8 +97,14 @@ def attention_case(t: int, length: int, dtype, device, b: int = 1) -> Case:
     seen = sum(length - t + i + 1 for i in range(t))
     flops = 4.0 * b * HQ * D * seen
     nbytes = float((q.numel() * 2 + k.numel() + v.numel()) * _esize(dtype))
-    return Case(f"attention T={t} L={length}", {"torch": sdpa, "triton": _triton(lambda: attention(q, k, v, scale))},
-                flops=flops, bytes=nbytes, kind="compute" if t >= 64 else "memory")
+    providers = {"torch": sdpa, "triton": _triton(lambda: attention(q, k, v, scale))}
+    if torch.device(device).type == "cpu" and t <= 64:
+        from graphspec.kernels import cpu_native
+
+        if cpu_native.available() and dtype in (torch.float32, torch.bfloat16):
+            providers["native"] = lambda: attention(q, k, v, scale)  # the CPU path takes the C++ rows here
+    return Case(f"attention T={t} L={length}", providers, flops=flops, bytes=nbytes,
+                kind="compute" if t >= 64 else "memory")
 
 
 def rmsnorm_case(m: int, dtype, device) -> Case:

@@ -1,5 +1,5 @@
-"""Kernel benchmarks: provider torch vs triton (CUDA only) vs packed (CPU) vs int8 (CPU draft weights,
-decode/verify linears only), decode/verify/prefill shapes.
+"""Kernel benchmarks: provider torch vs triton (CUDA only) vs packed, onednn, native (CPU) vs int8 (CPU draft
+weights, decode/verify linears only), decode/verify/prefill shapes (the providers: perf/kernel_cases.py).
 
     .venv/bin/python -m pytest perf/test_kernels.py --benchmark-only
 
@@ -28,7 +28,7 @@ def built():
     return get
 
 
-@pytest.mark.parametrize("provider", ["torch", "triton", "packed", "int8"])
+@pytest.mark.parametrize("provider", ["torch", "triton", "packed", "onednn", "native", "int8"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel(benchmark, built, name, provider):
     if provider == "triton" and DEVICE != "cuda":
