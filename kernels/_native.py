@@ -19,11 +19,13 @@ import hashlib
 import os
 import platform
 import sys
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-__all__ = ["CFLAGS", "NativeBuildError", "build", "mode"]
+__all__ = ["CFLAGS", "Gate", "NativeBuildError", "build", "mode"]
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 """No -ffast-math: linking it sets flush-to-zero for the whole process, the target's maths included."""
@@ -104,3 +106,38 @@ def build(name: str, sources: list[Path], prefix: str, what: str, cflags: list[s
             raise NativeBuildError(f"building {names} in {out} failed: {type(e).__name__}: {tail}") from e
     finally:
         os.close(fd)
+
+
+class Gate:
+    """One extension's switch: its environment variable's mode, and what happens when it does not build.
+
+    ``what`` names the extension ("the C++ int8 draft forward"), ``instead`` the torch path used without it
+    ("the TorchScript path"), ``cost`` what that costs, for the warning ("SmolLM2-135M about 1.4x slower a
+    token"). ``warned``: whether this process has warned (once).
+    """
+
+    def __init__(self, env: str, what: str, instead: str, cost: str):
+        self.env, self.what, self.instead, self.cost = env, what, instead, cost
+        self.warned = False
+
+    def mode(self) -> str:
+        return mode(self.env, self.what)
+
+    def available(self, load: Callable[[], object]) -> bool:
+        """Whether the extension runs here: ``load()`` (which builds on first call) succeeded, per the mode."""
+        m = self.mode()
+        if m == "0":
+            return False
+        try:
+            load()
+            return True
+        except NativeBuildError as e:
+            if m == "1":
+                raise NativeBuildError(f"{self.env}=1 requires {self.what}, but {e}. Install a C++ compiler (g++) and "
+                                       f"ninja, or set {self.env}=auto or 0 to use {self.instead}") from e
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"graphspec: {self.what} cannot be used ({e}); using {self.instead} ({self.cost}). "
+                              f"Install g++ and ninja to build it, or set {self.env}=0 to choose {self.instead} and "
+                              "silence this", RuntimeWarning, stacklevel=4)
+            return False

@@ -22,13 +22,11 @@ depend on the row count or the thread count (see the C++ file). Measured: perf/R
 from __future__ import annotations
 
 import functools
-import warnings
 from pathlib import Path
 
 import torch
 
-from graphspec.kernels._native import NativeBuildError, build
-from graphspec.kernels._native import mode as _mode
+from graphspec.kernels._native import Gate, NativeBuildError, build
 
 __all__ = ["ENV", "NativeBuildError", "available", "bf16_linear", "mode", "ops"]
 
@@ -41,7 +39,7 @@ _WHAT = "graphspec's C++ CPU kernels"
 
 def mode() -> str:
     """``GRAPHSPEC_CPU_NATIVE`` as "auto", "1" or "0" (anything else is an error that says so)."""
-    return _mode(ENV, _WHAT)
+    return _gate.mode()
 
 
 @functools.cache
@@ -53,29 +51,13 @@ def _load() -> None:
         raise NativeBuildError(f"{_NAME} loaded but registered no linear / attend op")
 
 
-_warned = False
+_gate = Gate(ENV, _WHAT, "the torch paths (oneDNN, SDPA)",
+             "a bf16 step of a 1.5B model about 1.3x slower with one thread on the AMD EPYC")
 
 
 def available() -> bool:
     """Whether the C++ CPU kernels run here (builds on first call; see the module doc for the modes)."""
-    global _warned
-    m = mode()
-    if m == "0":
-        return False
-    try:
-        _load()
-        return True
-    except NativeBuildError as e:
-        if m == "1":
-            raise NativeBuildError(f"{ENV}=1 requires {_WHAT}, but {e}. Install a C++ compiler (g++) and ninja, or "
-                                   f"set {ENV}=auto or 0 to use the torch paths") from e
-        if not _warned:
-            _warned = True
-            warnings.warn(f"graphspec: {_WHAT} are unavailable ({e}); bf16 weights use oneDNN (a bf16 step of a "
-                          f"1.5B model about 1.4x slower with one thread on the AMD EPYC). Install g++ and ninja to "
-                          f"build them, or set {ENV}=0 to choose the torch paths and silence this", RuntimeWarning,
-                          stacklevel=3)
-        return False
+    return _gate.available(_load)
 
 
 def bf16_linear() -> bool:

@@ -23,13 +23,11 @@ with one thread, 12.2 -> 8.7 with two; the GEMM-bound 0.5B gains only on several
 from __future__ import annotations
 
 import functools
-import warnings
 from pathlib import Path
 
 import torch
 
-from graphspec.kernels._native import NativeBuildError, build
-from graphspec.kernels._native import mode as _mode
+from graphspec.kernels._native import Gate, NativeBuildError, build
 
 __all__ = ["ENV", "mode", "available", "draft_for", "NativeBuildError"]
 
@@ -41,7 +39,7 @@ _WHAT = "the C++ int8 draft forward"
 
 def mode() -> str:
     """``GRAPHSPEC_INT8_NATIVE`` as one of "auto", "1", "0" (anything else is an error that says so)."""
-    return _mode(ENV, _WHAT)
+    return _gate.mode()
 
 
 @functools.cache
@@ -54,29 +52,12 @@ def _load() -> None:
         raise NativeBuildError(f"{_NAME} loaded but registered no Int8Draft class")
 
 
-_warned = False
+_gate = Gate(ENV, _WHAT, "the TorchScript path", "SmolLM2-135M about 1.4x slower a token")
 
 
 def available() -> bool:
     """Whether int8 forwards may run in C++ here (builds on first call; see the module doc for the modes)."""
-    global _warned
-    m = mode()
-    if m == "0":
-        return False
-    try:
-        _load()
-        return True
-    except NativeBuildError as e:
-        if m == "1":
-            raise NativeBuildError(f"{ENV}=1 requires the C++ int8 draft forward, but {e}. Install a C++ compiler "
-                                   f"(g++) and ninja, or set {ENV}=auto or 0 to run the TorchScript path") from e
-        if not _warned:
-            _warned = True
-            warnings.warn(f"graphspec: the C++ int8 draft forward is unavailable ({e}); int8 drafts run the "
-                          f"TorchScript path (SmolLM2-135M about 1.4x slower a token). Install g++ and ninja to build it, or "
-                          f"set {ENV}=0 to choose the TorchScript path and silence this", RuntimeWarning,
-                          stacklevel=3)
-        return False
+    return _gate.available(_load)
 
 
 def draft_for(model):

@@ -215,14 +215,14 @@ def test_failed_build_warns_once_in_auto_and_raises_when_required(monkeypatch):
         raise _native.NativeBuildError("no compiler (test)")
 
     monkeypatch.setattr(cpu_native, "build", fail)
-    monkeypatch.setattr(cpu_native, "_warned", False)
+    monkeypatch.setattr(cpu_native._gate, "warned", False)
     cpu_native._load.cache_clear()
     try:
         monkeypatch.setenv(cpu_native.ENV, "1")
         with pytest.raises(_native.NativeBuildError, match="requires graphspec.s C.. CPU kernels.*no compiler"):
             cpu_native.available()
         monkeypatch.setenv(cpu_native.ENV, "auto")
-        with pytest.warns(RuntimeWarning, match="unavailable .no compiler .test..; bf16 weights use oneDNN"):
+        with pytest.warns(RuntimeWarning, match="CPU kernels cannot be used .no compiler .test..; using the torch paths .oneDNN, SDPA."):
             assert not cpu_native.available()
         with warnings.catch_warnings():
             warnings.simplefilter("error")

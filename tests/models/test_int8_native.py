@@ -162,12 +162,12 @@ def test_a_failed_build_warns_once_in_auto_and_is_an_error_when_required(monkeyp
         raise int8_native.NativeBuildError("no compiler (test)")
 
     monkeypatch.setattr(int8_native, "_load", broken)
-    monkeypatch.setattr(int8_native, "_warned", False)
+    monkeypatch.setattr(int8_native._gate, "warned", False)
     monkeypatch.setenv(int8_native.ENV, "1")
     with pytest.raises(int8_native.NativeBuildError, match="requires the C.. int8 draft forward.*no compiler"):
         int8_native.available()
     monkeypatch.setenv(int8_native.ENV, "auto")
-    with pytest.warns(RuntimeWarning, match="unavailable .no compiler .test..; int8 drafts run the TorchScript"):
+    with pytest.warns(RuntimeWarning, match="int8 draft forward cannot be used .no compiler .test..; using the TorchScript path"):
         assert int8_native.available() is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
