@@ -113,12 +113,14 @@ class Gate:
 
     ``what`` names the extension ("the C++ int8 draft forward"), ``instead`` the torch path used without it
     ("the TorchScript path"), ``cost`` what that costs, for the warning ("SmolLM2-135M about 1.4x slower a
-    token"). ``warned``: whether this process has warned (once).
+    token"). ``warned``: whether this process has warned (once); ``failure``: the error of a failed ``load()``,
+    kept so that a process tries the build once, not at every call (the attention asks at every layer).
     """
 
     def __init__(self, env: str, what: str, instead: str, cost: str):
         self.env, self.what, self.instead, self.cost = env, what, instead, cost
         self.warned = False
+        self.failure: NativeBuildError | None = None
 
     def mode(self) -> str:
         return mode(self.env, self.what)
@@ -128,16 +130,18 @@ class Gate:
         m = self.mode()
         if m == "0":
             return False
-        try:
-            load()
-            return True
-        except NativeBuildError as e:
-            if m == "1":
-                raise NativeBuildError(f"{self.env}=1 requires {self.what}, but {e}. Install a C++ compiler (g++) and "
-                                       f"ninja, or set {self.env}=auto or 0 to use {self.instead}") from e
-            if not self.warned:
-                self.warned = True
-                warnings.warn(f"graphspec: {self.what} cannot be used ({e}); using {self.instead} ({self.cost}). "
-                              f"Install g++ and ninja to build it, or set {self.env}=0 to choose {self.instead} and "
-                              "silence this", RuntimeWarning, stacklevel=4)
-            return False
+        if self.failure is None:
+            try:
+                load()
+                return True
+            except NativeBuildError as e:
+                self.failure = e
+        if m == "1":
+            raise NativeBuildError(f"{self.env}=1 requires {self.what}, but {self.failure}. Install a C++ compiler "
+                                   f"(g++) and ninja, or set {self.env}=auto or 0 to use {self.instead}") from self.failure
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"graphspec: {self.what} cannot be used ({self.failure}); using {self.instead} ({self.cost}). "
+                          f"Install g++ and ninja to build it, or set {self.env}=0 to choose {self.instead} and "
+                          "silence this", RuntimeWarning, stacklevel=4)
+        return False

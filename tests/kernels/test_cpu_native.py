@@ -211,22 +211,31 @@ def test_mode_switch(monkeypatch):
 
 
 def test_failed_build_warns_once_in_auto_and_raises_when_required(monkeypatch):
+    builds = []
+
     def fail(*args, **kwargs):
+        builds.append(1)
         raise _native.NativeBuildError("no compiler (test)")
 
     monkeypatch.setattr(cpu_native, "build", fail)
     monkeypatch.setattr(cpu_native._gate, "warned", False)
+    monkeypatch.setattr(cpu_native._gate, "failure", None)
     cpu_native._load.cache_clear()
     try:
         monkeypatch.setenv(cpu_native.ENV, "1")
         with pytest.raises(_native.NativeBuildError, match="requires graphspec.s C.. CPU kernels.*no compiler"):
             cpu_native.available()
         monkeypatch.setenv(cpu_native.ENV, "auto")
-        with pytest.warns(RuntimeWarning, match="CPU kernels cannot be used .no compiler .test..; using the torch paths .oneDNN, SDPA."):
+        with pytest.warns(RuntimeWarning,
+                          match="CPU kernels cannot be used .no compiler .test..; using the torch paths .oneDNN, SDPA."):
             assert not cpu_native.available()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert not cpu_native.available()  # once
             assert not isinstance(prepare_weight(torch.randn(8, 4).bfloat16()), NativeWeight)
+            q = torch.randn(1, 3, 4, 16)
+            for _ in range(3):  # the attention asks at every call: the torch path, and no new build attempt
+                assert_close(attention(q, q, q), attention_ref(q, q, q), 1e-6, 1e-6, name="torch rows")
+        assert builds == [1]  # tried once per process, not at every call
     finally:
         cpu_native._load.cache_clear()  # the next test builds (loads) it for real again

@@ -163,6 +163,7 @@ def test_a_failed_build_warns_once_in_auto_and_is_an_error_when_required(monkeyp
 
     monkeypatch.setattr(int8_native, "_load", broken)
     monkeypatch.setattr(int8_native._gate, "warned", False)
+    monkeypatch.setattr(int8_native._gate, "failure", None)
     monkeypatch.setenv(int8_native.ENV, "1")
     with pytest.raises(int8_native.NativeBuildError, match="requires the C.. int8 draft forward.*no compiler"):
         int8_native.available()
