@@ -193,23 +193,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         return attention_ref(q, k, v, scale, tree)  # a draft's tree forward (validated there): rows need not be exact
     if use_triton(q):
         return _attention_triton(q, k, v, scale, tree=tree)
-    if (T <= _EXACT_MAX_T and rows_exact() and q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES
-            and cpu_native.available()):
-        # Decode steps and verify blocks in C++ (graphspec.kernels.cpu_native): each row over exactly the keys it
-        # sees (the cache, then its path through the new ones) by one loop whatever the other rows, so a verify
-        # row is bit-identical to the one-token step at its position, without a call per row.
-        scale = _validate(q, k, v, scale, tree)
-        if k.stride(-1) != 1 or k.stride() != v.stride():  # the kernel walks k and v with one key stride
-            k, v = k.contiguous(), v.contiguous()
-        p = _attention_cpu.plan(tree, T)
-        return cpu_native.ops().attend(q.contiguous(), k, v, scale, p.lengths, p.nodes)
-    if 1 < T <= _EXACT_MAX_T and rows_exact():
-        # A verify's query row must come out bit-identical to the one-token step at that position, or bf16
-        # greedy speculative output drifts from autoregressive: torch's CPU SDPA rounds a row differently
-        # depending on how many rows it is given (measured: ~9% of bf16 rows). So each row runs as its own
-        # one-row call over exactly the keys it sees (with a tree: the cache prefix, then its ancestors and
-        # itself, in order), all rows in one TorchScript call (graphspec.kernels._attention_cpu).
-        return _attention_cpu.attend(q, k, v, _validate(q, k, v, scale, tree), tree)
+    if T <= _EXACT_MAX_T and rows_exact():
+        # A verify's query row must come out bit-identical to the one-token step at that position, or bf16 greedy
+        # speculative output drifts from autoregressive.
+        if q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES and cpu_native.available():
+            # Decode steps and verify blocks in C++ (graphspec.kernels.cpu_native): each row over exactly the keys
+            # it sees (the cache, then its path through the new ones) by one loop whatever the other rows, so a
+            # verify row is bit-identical to the one-token step at its position, without a call per row.
+            scale = _validate(q, k, v, scale, tree)
+            if k.stride(-1) != 1 or k.stride() != v.stride():  # the kernel walks k and v with one key stride
+                k, v = k.contiguous(), v.contiguous()
+            p = _attention_cpu.plan(tree, T)
+            return cpu_native.ops().attend(q.contiguous(), k, v, scale, p.lengths, p.nodes)
+        if T > 1:
+            # Without it: torch's CPU SDPA rounds a row differently depending on how many rows it is given
+            # (measured: ~9% of bf16 rows), so each row of a verify runs as its own one-row call over exactly
+            # the keys it sees (with a tree: the cache prefix, then its ancestors and itself, in order), all rows
+            # in one TorchScript call (graphspec.kernels._attention_cpu).
+            return _attention_cpu.attend(q, k, v, _validate(q, k, v, scale, tree), tree)
     return attention_ref(q, k, v, scale, tree)
 
 

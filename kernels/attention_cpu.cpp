@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "_native_math.h"
@@ -32,12 +31,7 @@
 namespace {
 
 inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }  // exact: bf16 is an fp32's top half
 
 #if defined(__AVX512F__)
 // 16 consecutive values as fp32 (bf16 widened exactly: its bits are the top half of an fp32's).
@@ -89,7 +83,7 @@ void attend_row(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
       }
     }
   }
-  for (int64_t h = 0; h < g; ++h) {  // softmax weights, unnormalised; 1 / sum kept in scores' first slot's place
+  for (int64_t h = 0; h < g; ++h) {  // scores -> softmax weights, in place
     float* sh = scores + h * n;
     float mx = sh[0];
     for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);

@@ -98,11 +98,16 @@ def attention_case(t: int, length: int, dtype, device, b: int = 1) -> Case:
     flops = 4.0 * b * HQ * D * seen
     nbytes = float((q.numel() * 2 + k.numel() + v.numel()) * _esize(dtype))
     providers = {"torch": sdpa, "triton": _triton(lambda: attention(q, k, v, scale))}
-    if torch.device(device).type == "cpu" and t <= 64:
+    if torch.device(device).type == "cpu":
+        import importlib
+
         from graphspec.kernels import cpu_native
 
-        if cpu_native.available() and dtype in (torch.float32, torch.bfloat16):
-            providers["native"] = lambda: attention(q, k, v, scale)  # the CPU path takes the C++ rows here
+        attention_mod = importlib.import_module("graphspec.kernels.attention")  # the package exports the function
+
+        # where attention's dispatch takes the C++ rows (kernels/attention.py)
+        if t <= attention_mod._EXACT_MAX_T and dtype in attention_mod._NATIVE_DTYPES and cpu_native.available():
+            providers["native"] = lambda: attention(q, k, v, scale)
     return Case(f"attention T={t} L={length}", providers, flops=flops, bytes=nbytes,
                 kind="compute" if t >= 64 else "memory")
 

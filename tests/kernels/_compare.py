@@ -56,3 +56,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
         f"(max finite |diff| {max_abs:.3g}; actual dtype {actual.dtype}, expected dtype {expected.dtype}, "
         f"shape {tuple(a.shape)}); worst:\n" + "\n".join(lines)
     )
+
+
+def attention_inputs(B, T, L, Hq, Hk, D, dtype, s_max=None, q_strided=False):
+    """q and k/v as the model passes them: k/v strided slices [:, :L] of a preallocated cache."""
+    s_max = s_max or L + 5
+    k_cache = torch.randn(B, s_max, Hk, D).to(dtype)
+    v_cache = torch.randn(B, s_max, Hk, D).to(dtype)
+    if q_strided:  # a slice of a fused [B, T, Hq + 2 Hk, D] projection, as a fused QKV would give
+        q = torch.randn(B, T, Hq + 2 * Hk, D).to(dtype)[:, :, :Hq]
+    else:
+        q = torch.randn(B, T, Hq, D).to(dtype)
+    return q, k_cache[:, :L], v_cache[:, :L]

@@ -11,24 +11,13 @@ import torch
 from graphspec.kernels import attention, attention_ref, batched_rows, use_backend
 from graphspec.kernels.attention import _EXACT_MAX_T, _attention_triton, ancestor_mask
 from tests.kernels._compare import assert_close
+from tests.kernels._compare import attention_inputs as _inputs
 from tests.kernels._sm90 import compile_main, have_ptxas, run_compile_check
 
 
 # (atol, rtol) per dtype: bf16/fp16 kernels round the softmax weights to the storage dtype
 # before the P @ V product (as flash attention does on a GPU), the reference keeps fp32.
 TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
-
-
-def _inputs(B, T, L, Hq, Hk, D, dtype, s_max=None, q_strided=False):
-    """q and k/v as the model passes them: k/v strided slices [:, :L] of a preallocated cache."""
-    s_max = s_max or L + 5
-    k_cache = torch.randn(B, s_max, Hk, D).to(dtype)
-    v_cache = torch.randn(B, s_max, Hk, D).to(dtype)
-    if q_strided:  # a slice of a fused [B, T, Hq + 2 Hk, D] projection, as a fused QKV would give
-        q = torch.randn(B, T, Hq + 2 * Hk, D).to(dtype)[:, :, :Hq]
-    else:
-        q = torch.randn(B, T, Hq, D).to(dtype)
-    return q, k_cache[:, :L], v_cache[:, :L]
 
 
 def _naive(q, k, v, scale):

@@ -14,7 +14,7 @@ import torch
 from graphspec.kernels import _native, attention, attention_ref, batched_rows, cpu_native, use_backend
 from graphspec.kernels.attention import ancestor_mask
 from graphspec.kernels.linear import NativeWeight, PackedWeight, linear, linear_ref, prepare_weight
-from tests.kernels._compare import assert_close
+from tests.kernels._compare import assert_close, attention_inputs
 
 linear_mod = importlib.import_module("graphspec.kernels.linear")
 
@@ -25,7 +25,7 @@ needs_kernels = pytest.mark.skipif(not cpu_native.available(), reason="graphspec
 
 # Both sides sum exact bf16 products in fp32 in different orders (~1e-6 relative) and round to bf16 to
 # nearest even, so outputs may be one bf16 ulp (2^-8 relative) apart; the inputs keep outputs O(1).
-RTOL, ATOL = 1e-2, 1.6e-2
+ATOL, RTOL = 1e-2, 1.6e-2
 
 
 def _inputs(m, k, n, bias=True, seed=0):
@@ -46,7 +46,7 @@ def test_native_matches_reference(m, k, n):
     assert isinstance(nw, NativeWeight) and nw.shape == w.shape and nw.dtype == torch.bfloat16
     y = linear(x, nw, b)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n) and y.is_contiguous()
-    assert_close(y, linear_ref(x.float(), w.float(), None if b is None else b.float()), RTOL, ATOL,
+    assert_close(y, linear_ref(x.float(), w.float(), None if b is None else b.float()), ATOL, RTOL,
                  name=f"native linear m={m} k={k} n={n}")
     assert torch.equal(nw.dense(), w)  # the layout changes, the values do not
 
@@ -58,10 +58,10 @@ def test_native_strided_inputs_leading_dims_and_empty():
     x4 = torch.randn(2, 9, 3, 96).bfloat16()[:, 1:8:2]  # [2, 4, 3, 96], not viewable as 2-D
     b2 = torch.randn(154).bfloat16()[::2]
     ref = linear_ref(x4.float(), w.float(), b2.float())
-    assert_close(linear(x4, nw, b2), ref, RTOL, ATOL, name="native 4-D strided")
-    assert_close(linear(x4[0, 0, 0], nw), linear_ref(x4[0, 0, 0].float(), w.float()), RTOL, ATOL, name="1-D")
+    assert_close(linear(x4, nw, b2), ref, ATOL, RTOL, name="native 4-D strided")
+    assert_close(linear(x4[0, 0, 0], nw), linear_ref(x4[0, 0, 0].float(), w.float()), ATOL, RTOL, name="1-D")
     xt = torch.randn(96, 5).bfloat16().t()  # [5, 96] with stride (1, 5)
-    assert_close(linear(xt, nw), linear_ref(xt.float(), w.float()), RTOL, ATOL, name="column-major x")
+    assert_close(linear(xt, nw), linear_ref(xt.float(), w.float()), ATOL, RTOL, name="column-major x")
     assert linear(torch.randn(0, 96).bfloat16(), nw).shape == (0, 77)
 
 
@@ -113,18 +113,10 @@ def test_native_refuses_triton_and_bad_shapes():
         cpu_native.ops().linear(torch.randn(2, 6).bfloat16(), nw.packed, 8, None)
 
 
-def _attn_inputs(b, t, cached, hq, hk, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
-    k = torch.randn(b, cached + t, hk, d, generator=g).to(dtype)
-    v = torch.randn(b, cached + t, hk, d, generator=g).to(dtype)
-    return q, k, v
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_native_attention_is_the_same_bits_with_any_thread_count(dtype):
-    q, k, v = _attn_inputs(2, 6, 41, 12, 2, 128, dtype)
+    q, k, v = attention_inputs(2, 6, 47, 12, 2, 128, dtype)
     tree = ancestor_mask([-1, 0, 0, 1, 2, 3], device="cpu")
     old = torch.get_num_threads()
     try:
@@ -149,7 +141,7 @@ def test_native_attention_runs_decode_and_verify_but_not_prefills_or_fp16(monkey
             return (lambda *a: calls.append(a[0].shape[1]) or op(*a)) if name == "attend" else op
 
     monkeypatch.setattr(cpu_native, "ops", lambda: Counting())
-    q, k, v = _attn_inputs(1, 5, 20, 4, 2, 64, torch.float32)
+    q, k, v = attention_inputs(1, 5, 25, 4, 2, 64, torch.float32)
     with use_backend("torch"):
         one = attention(q[:, :1], k[:, :21], v[:, :21])
         block = attention(q, k, v)
@@ -165,7 +157,7 @@ def test_native_attention_runs_decode_and_verify_but_not_prefills_or_fp16(monkey
 
 @needs_kernels
 def test_native_attention_checks_its_inputs():
-    q, k, v = _attn_inputs(1, 3, 5, 4, 2, 32, torch.float32)
+    q, k, v = attention_inputs(1, 3, 8, 4, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="row 2.s path must be non-empty and end at itself"):
         cpu_native.ops().attend(q, k, v, 0.1, [1, 2, 2], [0, 0, 1, 0, 1])
     with pytest.raises(RuntimeError, match="rise through earlier nodes"):
