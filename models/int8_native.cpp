@@ -24,8 +24,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "_int8_gemm.h"
 #include "_native_math.h"
 
 namespace {
@@ -33,6 +35,40 @@ namespace {
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
 using graphspec_native::fast_exp;  // kernels/_native_math.h: a polynomial exp, vectorizable, no -ffast-math
+using graphspec_native::Int8Matrix;  // kernels/_int8_gemm.h: graphspec's int8 GEMM (AVX-512 VNNI)
+
+// fbgemm's packed weight in graphspec's layout: its int8 values and per-row scales (symmetric, as
+// kernels/linear.py quantize_weight makes them; anything else is refused, not approximated).
+Int8Matrix repack(const Packed& p) {
+  auto unpacked = p->unpack();
+  const at::Tensor& wq = std::get<0>(unpacked);
+  TORCH_CHECK(wq.is_quantized() && wq.scalar_type() == at::kQInt8, "int8_native: a packed weight that is not qint8");
+  at::Tensor scales;
+  if (wq.qscheme() == at::kPerChannelAffine || wq.qscheme() == at::kPerChannelSymmetric) {
+    TORCH_CHECK(wq.q_per_channel_axis() == 0 && wq.q_per_channel_zero_points().eq(0).all().item<bool>(),
+                "int8_native: a packed weight with zero points or scales along axis ", wq.q_per_channel_axis(),
+                "; graphspec's int8 weights are symmetric per output row");
+    scales = wq.q_per_channel_scales();
+  } else {
+    TORCH_CHECK(wq.qscheme() == at::kPerTensorAffine && wq.q_zero_point() == 0,
+                "int8_native: a packed weight of an unsupported quantization scheme");
+    scales = at::full({wq.size(0)}, wq.q_scale(), at::kDouble);
+  }
+  return graphspec_native::pack_int8(wq.int_repr().contiguous(), scales);
+}
+
+// A packed weight held both ways: fbgemm's (the TorchScript path's, and this file's without VNNI) and
+// graphspec's (empty without VNNI).
+struct Weight {
+  Packed fb;
+  Int8Matrix own;
+  explicit Weight(Packed p) : fb(std::move(p)) {
+    if (graphspec_native::have_vnni()) own = repack(fb);
+  }
+  at::Tensor apply(const at::Tensor& x, bool vnni) const {
+    return vnni && own.n > 0 ? graphspec_native::int8_linear(x, own) : fb->apply_dynamic(x, false);
+  }
+};
 
 // y = x * rsqrt(mean(x^2) + eps) * w over n floats (the residual stream's rms norm, fp32)
 inline void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
@@ -51,7 +87,9 @@ void check_float(const at::Tensor& t, const char* what) {
 }
 
 struct Int8Draft : torch::CustomClassHolder {
-  std::vector<Packed> wqkv, wo, w13, w2;
+  std::vector<Weight> wqkv, wo, w13, w2;
+  std::vector<Weight> heads;  // the lm_heads seen (the full one, a pruned one), repacked once each
+  bool vnni = graphspec_native::have_vnni();
   std::vector<c10::optional<at::Tensor>> bqkv, bo;
   std::vector<at::Tensor> in_norm, post_norm;
   at::Tensor norm;
@@ -78,17 +116,35 @@ struct Int8Draft : torch::CustomClassHolder {
                 hidden, " values");
     if (b_qkv) check_float(*b_qkv, "a qkv bias");
     if (b_o) check_float(*b_o, "an o_proj bias");
-    wqkv.push_back(qkv);
+    wqkv.emplace_back(std::move(qkv));
     bqkv.push_back(b_qkv);
-    wo.push_back(o);
+    wo.emplace_back(std::move(o));
     bo.push_back(b_o);
-    w13.push_back(gate_up);
-    w2.push_back(down);
+    w13.emplace_back(std::move(gate_up));
+    w2.emplace_back(std::move(down));
     in_norm.push_back(n_in);
     post_norm.push_back(n_post);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(wqkv.size()); }
+
+  // Which GEMM the forward runs: "vnni" (graphspec's, kernels/_int8_gemm.h; the default where built with
+  // AVX-512 VNNI) or "fbgemm" (torch's, the TorchScript path's GEMM).
+  std::string gemm() const { return vnni ? "vnni" : "fbgemm"; }
+  void set_gemm(const std::string& name) {
+    TORCH_CHECK(name == "vnni" || name == "fbgemm", "int8_native: gemm must be 'vnni' or 'fbgemm', got '", name, "'");
+    TORCH_CHECK(name == "fbgemm" || graphspec_native::have_vnni(),
+                "int8_native: the 'vnni' GEMM needs AVX-512 VNNI, which this build lacks");
+    vnni = name == "vnni";
+  }
+
+  const Weight& head_for(const Packed& p) {
+    for (const Weight& w : heads)
+      if (w.fb.get() == p.get()) return w;
+    if (heads.size() >= 4) heads.erase(heads.begin());  // a bounded cache: a draft has one or two heads
+    heads.emplace_back(p);
+    return heads.back();
+  }
 
   // Row t's attention: one query per q head over cache slots 0 .. len-1 ([S, hk, D] rows of k and v).
   void attend(const float* q, const float* kb, const float* vb, float* out, float* scores, int64_t len) const {
@@ -171,7 +227,7 @@ struct Int8Draft : torch::CustomClassHolder {
     for (int64_t i = 0; i < L; ++i) {
       const float* w_in = in_norm[i].data_ptr<float>();
       for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, w_in, xp + t * H, H, e);
-      at::Tensor qkv = wqkv[i]->apply_dynamic(xn, false);
+      at::Tensor qkv = wqkv[i].apply(xn, vnni);
       TORCH_CHECK(qkv.is_contiguous() && qkv.numel() == T * qkv_cols, "int8_native: layer ", i, "'s qkv weight gave ",
                   qkv.sizes(), ", expected [", T, ", ", qkv_cols, "]");
       if (bqkv[i]) qkv.add_(*bqkv[i]);
@@ -192,7 +248,7 @@ struct Int8Draft : torch::CustomClassHolder {
         std::memcpy(vb + (start + t) * hk * D, row + (hq + hk) * D, sizeof(float) * hk * D);
         attend(q.data(), kb, vb, ap + t * hq * D, scores.data(), start + t + 1);
       }
-      at::Tensor o = wo[i]->apply_dynamic(att, false);
+      at::Tensor o = wo[i].apply(att, vnni);
       if (bo[i]) o.add_(*bo[i]);
       const float* op = o.data_ptr<float>();
       const float* w_post = post_norm[i].data_ptr<float>();
@@ -202,7 +258,7 @@ struct Int8Draft : torch::CustomClassHolder {
         for (int64_t j = 0; j < H; ++j) hr[j] += op[t * H + j];
         rms_norm(hr, w_post, xp + t * H, H, e);
       }
-      at::Tensor gu = w13[i]->apply_dynamic(xn, false);  // [T, 2I]: gate then up
+      at::Tensor gu = w13[i].apply(xn, vnni);  // [T, 2I]: gate then up
       const int64_t I = gu.size(1) / 2;
       at::Tensor act = at::empty({T, I}, h.options());
       float* gp = gu.data_ptr<float>();
@@ -213,7 +269,7 @@ struct Int8Draft : torch::CustomClassHolder {
 #pragma omp simd
         for (int64_t j = 0; j < I; ++j) a[j] = g[j] / (1.f + fast_exp(-g[j])) * g[j + I];  // silu(gate) * up
       }
-      at::Tensor dn = w2[i]->apply_dynamic(act, false);
+      at::Tensor dn = w2[i].apply(act, vnni);
       const float* dp = dn.data_ptr<float>();
 #pragma omp simd
       for (int64_t j = 0; j < T * H; ++j) hp[j] += dp[j];
@@ -223,13 +279,21 @@ struct Int8Draft : torch::CustomClassHolder {
     at::Tensor out = at::empty({n, H}, h.options());
     for (int64_t r = 0; r < n; ++r) rms_norm(last.data_ptr<float>() + r * H, norm.data_ptr<float>(),
                                              out.data_ptr<float>() + r * H, H, e);
+    const Weight& hw = head_for(head);
     if (n == 0) {  // no rows wanted (a caller's empty logits_for): the head's width from one dummy row
-      const at::Tensor one = head->apply_dynamic(at::zeros({1, H}, h.options()), false);
+      const at::Tensor one = hw.apply(at::zeros({1, H}, h.options()), vnni);
       return one.narrow(0, 0, 0).view({1, 0, one.size(1)});
     }
-    const at::Tensor logits = head->apply_dynamic(out, false);
+    const at::Tensor logits = hw.apply(out, vnni);
     return logits.view({1, n, logits.size(1)});
   }
+};
+
+// One packed weight through graphspec's int8 GEMM, for tests and benchmarks: Int8Linear(packed).forward(x).
+struct Int8Linear : torch::CustomClassHolder {
+  Int8Matrix w;
+  explicit Int8Linear(Packed p) : w(repack(p)) {}
+  at::Tensor forward(at::Tensor x) const { return graphspec_native::int8_linear(x.contiguous(), w); }
 };
 
 }  // namespace
@@ -239,5 +303,9 @@ TORCH_LIBRARY(graphspec_int8_native, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor>())
       .def("add_layer", &Int8Draft::add_layer)
       .def("num_layers", &Int8Draft::num_layers)
+      .def("gemm", &Int8Draft::gemm)
+      .def("set_gemm", &Int8Draft::set_gemm)
       .def("forward", &Int8Draft::forward);
+  m.class_<Int8Linear>("Int8Linear").def(torch::init<Packed>()).def("forward", &Int8Linear::forward);
+  m.def("have_vnni() -> bool", [] { return graphspec_native::have_vnni(); });
 }

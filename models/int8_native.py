@@ -2,15 +2,23 @@
 
 Why: a small draft's forward is mostly the work around its GEMMs. The TorchScript path
 (``graphspec.models.lean_int8``) runs about 25 torch ops a layer, each with dispatch, allocation and
-TensorIterator set-up for a few hundred floats; this file's C++ runs the same maths as loops in place and
-calls the same fbgemm GEMMs (perf/RESULTS.md section T, AMD EPYC: SmolLM2-135M 15.3 -> 10.4 ms a token
-with one thread, 12.2 -> 8.7 with two; the GEMM-bound 0.5B gains only on several-token forwards).
+TensorIterator set-up for a few hundred floats; this file's C++ runs the same maths as loops in place
+(perf/RESULTS.md section T, AMD EPYC: SmolLM2-135M 15.3 -> 10.4 ms a token with one thread, 12.2 -> 8.7
+with two, both on fbgemm's GEMMs).
 
+- The GEMMs: on CPUs with AVX-512 VNNI, graphspec's own int8 GEMM (kernels/_int8_gemm.h: one weight
+  stream per 64 outputs, up to 6 rows in registers, each row of x quantized to 8 bits on its own), which
+  reads the weights faster than fbgemm's dynamic linear (perf/RESULTS.md section W); elsewhere fbgemm's
+  (what the TorchScript path runs). The C++ object keeps a copy of each int8 weight in its own layout
+  beside fbgemm's (which the TorchScript path still uses): the int8 weights' bytes once more
+  (SmolLM2-135M about 135 MB, the pruned Qwen2.5-0.5B about 420 MB). ``draft_for(model).set_gemm("fbgemm")``
+  switches one model back (benchmarks, tests); ``default_gemm()`` says what a new one runs.
 - What runs here: cached forwards of an int8 model (``quantize="int8"``, always a draft) with batch 1 and
   no tree mask, any number of new tokens; everything else (batches, draft-beam levels) stays on the
   TorchScript path. ``Transformer._forward_int8`` decides.
-- Numerics: not the TorchScript path's bits (fp32 sums in another order, a polynomial exp); logits agree
-  within 1e-3 on the tests' small models (tests/models/test_int8_native.py), while on a real draft int8
+- Numerics: not the TorchScript path's bits (fp32 sums in another order, a polynomial exp, and with the
+  VNNI GEMM another rounding of the activations); with fbgemm's GEMMs, logits agree within 1e-3 on the
+  tests' small models (tests/models/test_int8_native.py), while on a real draft int8
   rounding of the activations amplifies the difference (perf/RESULTS.md section T). A draft may compute
   anything without breaking losslessness; the pipeline's exactness tests run through this path too.
 - ``GRAPHSPEC_INT8_NATIVE``: ``auto`` (default) builds it when a C++ compiler is there and otherwise warns
@@ -29,7 +37,7 @@ import torch
 
 from graphspec.kernels._native import Gate, NativeBuildError, build
 
-__all__ = ["ENV", "mode", "available", "draft_for", "NativeBuildError"]
+__all__ = ["ENV", "mode", "available", "default_gemm", "draft_for", "NativeBuildError"]
 
 ENV = "GRAPHSPEC_INT8_NATIVE"
 _SOURCE = Path(__file__).with_name("int8_native.cpp")
@@ -58,6 +66,13 @@ _gate = Gate(ENV, _WHAT, "the TorchScript path", "SmolLM2-135M about 1.4x slower
 def available() -> bool:
     """Whether int8 forwards may run in C++ here (builds on first call; see the module doc for the modes)."""
     return _gate.available(_load)
+
+
+def default_gemm() -> str:
+    """The GEMM a new C++ draft runs: "vnni" (graphspec's, where built with AVX-512 VNNI) or "fbgemm"."""
+    if not available():
+        raise NativeBuildError(f"{_WHAT} is not available here ({ENV}={mode()})")
+    return "vnni" if torch.ops.graphspec_int8_native.have_vnni() else "fbgemm"
 
 
 def draft_for(model):

@@ -1,11 +1,14 @@
-"""The int8 draft forward in C++ (graphspec.models.int8_native) against the TorchScript path it replaces.
+"""The int8 draft forward in C++ (graphspec.models.int8_native) against the TorchScript path it replaces,
+and graphspec's int8 GEMM (kernels/_int8_gemm.h) against the same quantization done in torch.
 
-Both run the same fbgemm int8 GEMMs on fp32 activations; the C++ sums norms and attention in another
+With fbgemm's GEMMs (``set_gemm("fbgemm")``) both paths run the same int8 GEMMs on fp32 activations; the C++ sums norms and attention in another
 order and uses a polynomial exp (relative error < 3e-7), so fp32 values differ by ~1e-6 relative, which
 can move an activation across an 8-bit rounding step of the next GEMM. On these tiny models that stays
 under ATOL; on a real 30-layer model with random ids one such step can grow into a different argmax (so
 does a 1e-6 change of the input on the TorchScript path itself, measured), which is why the comparisons
 here are on small models and the real-model check is the pipeline's exactness, not the draft's logits.
+The VNNI GEMM rounds activations otherwise (8 bits a row, not 7 bits a call), so its forward is checked
+against fp32 maths on the same int8 weights, next to the fbgemm forward's distance from them.
 """
 
 import warnings
@@ -58,13 +61,28 @@ def model(request, tmp_path_factory):
 CHUNKS = (7, 1, 2, 1, 3, 1, 5)  # a prefill, then one-token proposals and multi-token catch-ups
 
 
-def _run(model, native, ids, positions=None, head=None, logits_for="all"):
-    """Logits of every chunk after the prefill, concatenated on the row axis, and the final cache."""
+@pytest.fixture
+def vnni():
+    """Skips where graphspec's int8 GEMM is not built (no AVX-512 VNNI); the model fixture fails without C++."""
+    if not int8_native.available():
+        pytest.fail("the C++ int8 forward did not build here; CI and this machine have g++ and ninja")
+    if not torch.ops.graphspec_int8_native.have_vnni():
+        pytest.skip("graphspec's int8 GEMM needs AVX-512 VNNI")
+
+
+def _run(model, native, ids, positions=None, head=None, logits_for="all", gemm="fbgemm"):
+    """Logits of every chunk after the prefill, concatenated on the row axis, and the final cache.
+
+    The C++ forward runs ``gemm`` ("fbgemm": the TorchScript path's GEMMs, for like-for-like comparisons)."""
     model.native_int8_forward = native
+    obj = int8_native.draft_for(model)
+    before = obj.gemm()
+    obj.set_gemm(gemm)
     try:
         return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)
     finally:
         model.native_int8_forward = True
+        obj.set_gemm(before)
 
 
 def _ids(model, seed):
@@ -75,12 +93,13 @@ def _ids(model, seed):
 def test_native_forward_matches_torchscript(model, monkeypatch):
     calls = []
     real = int8_native.draft_for
-    monkeypatch.setattr(int8_native, "draft_for", lambda m: calls.append(1) or real(m))
     ids = _ids(model, 0)
+    int8_native.draft_for(model)
+    monkeypatch.setattr(int8_native, "draft_for", lambda m: calls.append(1) or real(m))
     native, cache_n = _run(model, True, ids)
-    assert len(calls) == len(CHUNKS)  # every forward ran in C++ ...
+    assert len(calls) == len(CHUNKS) + 1  # every forward ran in C++ (and _run asked once) ...
     script, cache_s = _run(model, False, ids)
-    assert len(calls) == len(CHUNKS)  # ... and none with native_int8_forward=False
+    assert len(calls) == len(CHUNKS) + 2  # ... and none with native_int8_forward=False
     assert native.shape == script.shape == (1, sum(CHUNKS[1:]), model.config.vocab_size)
     torch.testing.assert_close(native, script, rtol=0, atol=ATOL)
     assert script.abs().max() > 0.5  # logits of real size, so the tolerance means something
@@ -105,6 +124,92 @@ def test_native_forward_with_positions_head_and_rows(model):
     full, _ = _run(model, True, ids)
     shifted, _ = _run(model, True, ids, positions=positions)
     assert (shifted - full).abs().max() > 1e-2  # positions reach rope: a test of them can fail
+
+
+def test_vnni_forward_is_as_close_to_fp32_maths_as_fbgemm(model, vnni):
+    """The default C++ forward (graphspec's int8 GEMM) against the same int8 weights in fp32 maths, with
+    the fbgemm forward's distance from them as the yardstick (both round activations to 8 bits)."""
+    ids = _ids(model, 3)
+    assert int8_native.draft_for(model).gemm() == int8_native.default_gemm() == "vnni"
+    vnni, cache_v = _run(model, True, ids, gemm="vnni")
+    fbgemm, _ = _run(model, True, ids, gemm="fbgemm")
+    saved = [(layer, {f: getattr(layer, f) for f in ("wqkv", "wo", "w13", "w2")}) for layer in model.layers]
+    head = model.lm_head
+    try:  # the dequantized int8 weights through the general (fp32) forward
+        for layer, ws in saved:
+            for f, w in ws.items():
+                setattr(layer, f, w.dense())
+        model.lm_head = head.dense()
+        model.lean_int8_forward = False
+        dense, cache_d = chunked_steps(model, ids, CHUNKS)
+    finally:
+        model.lean_int8_forward = True
+        model.lm_head = head
+        for layer, ws in saved:
+            for f, w in ws.items():
+                setattr(layer, f, w)
+    err_v, err_f = (vnni - dense).abs().max().item(), (fbgemm - dense).abs().max().item()
+    assert dense.abs().max() > 0.5
+    assert err_v < 0.05 * dense.abs().max().item()
+    assert err_v <= 1.5 * err_f + 1e-4, (err_v, err_f)
+    assert (vnni - fbgemm).abs().max() > 0  # really another GEMM
+    n = sum(CHUNKS)
+    torch.testing.assert_close(cache_v.k[0][:, :n], cache_d.k[0][:, :n], rtol=0.05, atol=0.05)
+
+
+def _quantized_reference(x, q, scales):
+    """kernels/_int8_gemm.h's maths in torch: each row of x to u8 with a zero point over [min(x, 0),
+    max(x, 0)] in 255 steps (fp32 as the C++ computes it), exact integer sums, then the two scales."""
+    lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
+    s = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
+    inv = 1 / s
+    z = torch.round(-lo * inv)
+    u = (torch.round(x * inv[:, None]) + z[:, None]).clamp(0, 255).to(torch.int64)
+    acc = u @ q.to(torch.int64).T - z.to(torch.int64)[:, None] * q.to(torch.int64).sum(1)[None, :]
+    return acc.float() * scales.float()[None, :] * s[:, None]
+
+
+@pytest.mark.parametrize("n,k", [(37, 21), (200, 577), (64, 64), (130, 1536), (16, 4), (1, 3), (2000, 96)])
+def test_vnni_gemm_is_its_quantization_done_in_torch(n, k, vnni):
+    from graphspec.kernels.linear import quantize_weight
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    qw = quantize_weight(w)
+    gemm = torch.classes.graphspec_int8_native.Int8Linear(qw.packed)
+    q, _ = torch.ops.quantized.linear_unpack(qw.packed)
+    ints, scales = q.int_repr(), q.q_per_channel_scales()
+    x = torch.randn(23, k, generator=g) * 3
+    x[3] = x[3].abs()  # a row without negatives (zero point 0) and one without positives (zero point 255)
+    x[4] = -x[4].abs()
+    x[5] = 0  # and an all-zero row
+    ref = _quantized_reference(x, ints, scales)
+    for rows in (1, 2, 3, 5, 6, 7, 13, 23):  # every register tile height, and the equal chunks past 6
+        y = gemm.forward(x[:rows])
+        assert y.shape == (rows, n)
+        torch.testing.assert_close(y, ref[:rows], rtol=1e-6, atol=1e-5)
+        if rows > 1:  # a row's bits do not depend on the rows beside it
+            assert torch.equal(y[rows - 1], gemm.forward(x[rows - 1:rows])[0])
+    assert (ref - x @ (ints.float() * scales.float()[:, None]).T).abs().max() < 0.05 * ref.abs().max()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = gemm.forward(x)
+        torch.set_num_threads(1)
+        assert torch.equal(gemm.forward(x), two)  # nor on the thread count
+    finally:
+        torch.set_num_threads(threads)
+    assert gemm.forward(x[:0]).shape == (0, n)
+    with pytest.raises(RuntimeError, match="columns"):
+        gemm.forward(torch.zeros(1, k + 1))
+    with pytest.raises(RuntimeError, match="fp32"):
+        gemm.forward(torch.zeros(1, k, dtype=torch.float64))
+
+
+def test_set_gemm_refuses_unknown_names(model, vnni):
+    obj = int8_native.draft_for(model)
+    with pytest.raises(RuntimeError, match="gemm must be 'vnni' or 'fbgemm', got 'mkl'"):
+        obj.set_gemm("mkl")
+    assert obj.gemm() == "vnni"
 
 
 def test_batches_and_trees_stay_on_torchscript(model, monkeypatch):
