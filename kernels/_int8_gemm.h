@@ -5,7 +5,7 @@
 // read the draft's weights at 13-16 GB/s on one core of the AMD EPYC (Zen 4), where a plain stream reads
 // 22-28 GB/s; its 6-row products cost 1.2-1.5x its 1-row ones. This loop reads each weight once, as one
 // contiguous stream per tile of 64 outputs, and multiplies it with up to 6 rows held in registers
-// (vpdpbusd: u8 x s8 -> int32, four products a lane). perf/RESULTS.md section W has the measurements.
+// (vpdpbusd: u8 x s8 -> int32, four products a lane). perf/RESULTS.md section R has the measurements.
 //
 // Layout (pack_int8): an int8 [N, K] weight (symmetric, one fp32 scale per output row) becomes tiles of up to
 // 4 blocks of 16 outputs; a tile of nb blocks stores, for each group of 4 inputs k .. k+3, the nb * 16 outputs'

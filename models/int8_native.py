@@ -8,7 +8,7 @@ with two, both on fbgemm's GEMMs).
 
 - The GEMMs: on CPUs with AVX-512 VNNI, graphspec's own int8 GEMM (kernels/_int8_gemm.h: one weight
   stream per 64 outputs, up to 6 rows in registers, each row of x quantized to 8 bits on its own), which
-  reads the weights faster than fbgemm's dynamic linear (perf/RESULTS.md section W); elsewhere fbgemm's
+  reads the weights faster than fbgemm's dynamic linear (perf/RESULTS.md section R); elsewhere fbgemm's
   (what the TorchScript path runs). The C++ object keeps a copy of each int8 weight in its own layout
   beside fbgemm's (which the TorchScript path still uses): the int8 weights' bytes once more
   (SmolLM2-135M about 135 MB, the pruned Qwen2.5-0.5B about 420 MB). ``draft_for(model).set_gemm("fbgemm")``
