@@ -520,7 +520,9 @@ class Int8Weight:
     x86 engine), accumulating in int32: a quarter of an fp32 weight's bytes and half of bf16's.
     The result is approximate (about 1% relative error per product), which is fine for a draft
     (speculative decoding stays lossless whatever the draft computes) and wrong for a target:
-    ``Pipeline`` never quantizes a target. ``dense()`` gives the dequantized fp32 values.
+    ``Pipeline`` never quantizes a target. ``dense()`` gives the dequantized fp32 values. A draft's
+    cached C++ forward (graphspec.models.int8_native) repacks these weights for graphspec's own int8
+    GEMM on CPUs with AVX-512 VNNI (kernels/_int8_gemm.h).
     """
 
     __slots__ = ("packed", "shape", "dtype", "device")
