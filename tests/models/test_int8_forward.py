@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphspec.kernels.linear import Int8Weight
-from graphspec.models import load_model
+from graphspec.models import int8_native, load_model
 from tests.checkpoints import make_checkpoint
 from tests.models._chunks import chunked_steps
 
@@ -100,8 +100,15 @@ def test_lean_forward_runs_as_torchscript(model, monkeypatch):
 
 def _beam_levels(model, fast, prompt, levels):
     """A beam draft's forwards: the prompt, then each level's rows under ``tree [T, m]`` masks, as the beam
-    passes them; returns each level's logits. ``levels``: lists of (token, parent node or -1) per level."""
+    passes them; returns each level's logits. ``levels``: lists of (token, parent node or -1) per level.
+
+    The prompt (batch 1, no tree) runs in C++ where it builds: there on fbgemm's GEMMs, the general
+    path's, since graphspec's own int8 GEMM rounds activations otherwise (test_int8_native.py)."""
     model.lean_int8_forward = fast
+    draft = int8_native.draft_for(model) if model.quantize == "int8" and int8_native.available() else None
+    before = draft.gemm() if draft is not None else None
+    if draft is not None:
+        draft.set_gemm("fbgemm")
     try:
         cache = model.new_cache(64)
         model.step(prompt, cache, logits_for="last")
@@ -125,6 +132,8 @@ def _beam_levels(model, fast, prompt, levels):
         return out
     finally:
         model.lean_int8_forward = True
+        if draft is not None:
+            draft.set_gemm(before)
 
 
 def _parent(levels, node):
