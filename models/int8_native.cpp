@@ -66,7 +66,7 @@ struct Weight {
     if (graphspec_native::have_vnni()) own = repack(fb);
   }
   at::Tensor apply(const at::Tensor& x, bool vnni) const {
-    return vnni && own.n > 0 ? graphspec_native::int8_linear(x, own) : fb->apply_dynamic(x, false);
+    return vnni ? graphspec_native::int8_linear(x, own) : fb->apply_dynamic(x, false);  // vnni: own is packed
   }
 };
 

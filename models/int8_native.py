@@ -12,7 +12,8 @@ with two, both on fbgemm's GEMMs).
   (what the TorchScript path runs). The C++ object keeps a copy of each int8 weight in its own layout
   beside fbgemm's (which the TorchScript path still uses): the int8 weights' bytes once more
   (SmolLM2-135M about 135 MB, the pruned Qwen2.5-0.5B about 420 MB). ``draft_for(model).set_gemm("fbgemm")``
-  switches one model back (benchmarks, tests); ``default_gemm()`` says what a new one runs.
+  switches one model back (``using_gemm`` for a block; benchmarks, tests); ``default_gemm()`` says what a
+  new one runs.
 - What runs here: cached forwards of an int8 model (``quantize="int8"``, always a draft) with batch 1 and
   no tree mask, any number of new tokens; everything else (batches, draft-beam levels) stays on the
   TorchScript path. ``Transformer._forward_int8`` decides.
@@ -30,6 +31,7 @@ with two, both on fbgemm's GEMMs).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -37,7 +39,7 @@ import torch
 
 from graphspec.kernels._native import Gate, NativeBuildError, build
 
-__all__ = ["ENV", "mode", "available", "default_gemm", "draft_for", "NativeBuildError"]
+__all__ = ["ENV", "mode", "available", "default_gemm", "draft_for", "using_gemm", "NativeBuildError"]
 
 ENV = "GRAPHSPEC_INT8_NATIVE"
 _SOURCE = Path(__file__).with_name("int8_native.cpp")
@@ -91,3 +93,15 @@ def draft_for(model):
                       layer.input_norm.contiguous(), layer.post_norm.contiguous())
     model._int8_native = (key, obj)
     return obj
+
+
+@contextlib.contextmanager
+def using_gemm(model, name: str):
+    """Inside the block ``model``'s C++ forward runs ``name``'s GEMM ("vnni" or "fbgemm"); then what it ran before."""
+    draft = draft_for(model)
+    before = draft.gemm()
+    draft.set_gemm(name)
+    try:
+        yield draft
+    finally:
+        draft.set_gemm(before)

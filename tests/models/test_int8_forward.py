@@ -7,6 +7,8 @@ with biases, a batch, explicit positions, a pruned head and each ``logits_for``,
 really be what runs.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -105,13 +107,11 @@ def _beam_levels(model, fast, prompt, levels):
     The prompt (batch 1, no tree) runs in C++ where it builds: there on fbgemm's GEMMs, the general
     path's, since graphspec's own int8 GEMM rounds activations otherwise (test_int8_native.py)."""
     model.lean_int8_forward = fast
-    draft = int8_native.draft_for(model) if model.quantize == "int8" and int8_native.available() else None
-    before = draft.gemm() if draft is not None else None
-    if draft is not None:
-        draft.set_gemm("fbgemm")
+    int8_cpp = model.quantize == "int8" and int8_native.available()
     try:
-        cache = model.new_cache(64)
-        model.step(prompt, cache, logits_for="last")
+        with int8_native.using_gemm(model, "fbgemm") if int8_cpp else contextlib.nullcontext():
+            cache = model.new_cache(64)
+            model.step(prompt, cache, logits_for="last")
         base = cache.length
         slot, depth, out = [], [], []
         for level in levels:
@@ -132,8 +132,6 @@ def _beam_levels(model, fast, prompt, levels):
         return out
     finally:
         model.lean_int8_forward = True
-        if draft is not None:
-            draft.set_gemm(before)
 
 
 def _parent(levels, node):

@@ -75,14 +75,11 @@ def _run(model, native, ids, positions=None, head=None, logits_for="all", gemm="
 
     The C++ forward runs ``gemm`` ("fbgemm": the TorchScript path's GEMMs, for like-for-like comparisons)."""
     model.native_int8_forward = native
-    obj = int8_native.draft_for(model)
-    before = obj.gemm()
-    obj.set_gemm(gemm)
     try:
-        return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)
+        with int8_native.using_gemm(model, gemm):
+            return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)
     finally:
         model.native_int8_forward = True
-        obj.set_gemm(before)
 
 
 def _ids(model, seed):
