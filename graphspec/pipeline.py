@@ -217,6 +217,8 @@ class Pipeline:
     tokenizer, ``CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD`` (0.3) for a draft with another one.
     ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
     a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
+    ``"int4"``: the same, with the draft's one- to three-token steps in 4 bits (``load_model``'s
+    ``quantize="int4"``; AVX-512 VNNI): cheaper draft steps, lower acceptance (perf/RESULTS.md section Q).
     ``draft_vocab``: prune a model draft's vocabulary to its ``n`` lowest ids (plus special tokens) or to
     given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless. "auto":
     65536 ids for an int8 draft (the CLI's default), the whole vocabulary for any other.

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "_int4_gemm.h"
 #include "_int8_gemm.h"
 #include "_native_math.h"
 
@@ -35,11 +36,12 @@ namespace {
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
 using graphspec_native::fast_exp;  // kernels/_native_math.h: a polynomial exp, vectorizable, no -ffast-math
+using graphspec_native::Int4Matrix;  // kernels/_int4_gemm.h: graphspec's int4 GEMM (AVX-512 VNNI)
 using graphspec_native::Int8Matrix;  // kernels/_int8_gemm.h: graphspec's int8 GEMM (AVX-512 VNNI)
 
-// fbgemm's packed weight in graphspec's layout: its int8 values and per-row scales (symmetric, as
-// kernels/linear.py quantize_weight makes them; anything else is refused, not approximated).
-Int8Matrix repack(const Packed& p) {
+// fbgemm's packed weight unpacked: its int8 values [N, K] and per-row scales (symmetric, as kernels/linear.py
+// quantize_weight makes them; anything else is refused, not approximated).
+std::pair<at::Tensor, at::Tensor> unpack_int8(const Packed& p) {
   auto unpacked = p->unpack();
   const at::Tensor& wq = std::get<0>(unpacked);
   TORCH_CHECK(wq.is_quantized() && wq.scalar_type() == at::kQInt8, "int8_native: a packed weight that is not qint8");
@@ -54,19 +56,47 @@ Int8Matrix repack(const Packed& p) {
                 "int8_native: a packed weight of an unsupported quantization scheme");
     scales = at::full({wq.size(0)}, wq.q_scale(), at::kDouble);
   }
-  return graphspec_native::pack_int8(wq.int_repr().contiguous(), scales);
+  return {wq.int_repr().contiguous(), scales};
 }
 
-// A packed weight held both ways: fbgemm's (the TorchScript path's, and this file's without VNNI) and
-// graphspec's (empty without VNNI).
+Int8Matrix repack(const Packed& p) {
+  const auto [q, scales] = unpack_int8(p);
+  return graphspec_native::pack_int8(q, scales);
+}
+
+Int4Matrix repack4(const Packed& p) {
+  const auto [q, scales] = unpack_int8(p);
+  return graphspec_native::pack_int4(q, scales);
+}
+
+// Which GEMM a forward runs (Int8Draft::set_gemm).
+enum class Gemm { kFbgemm, kVnni, kInt4 };
+
+// "int4" runs products of up to this many rows in 4 bits and larger ones (prefills) on the int8 GEMM: on the
+// AMD EPYC (Zen 4, 1 thread), all of the pruned Qwen2.5-0.5B's layer products took 10.7 / 11.8 / 14.6 / 16.1 /
+// 21.5 ms in int4 for 1-5 rows against 16.7-20.0 in int8 (perf/RESULTS.md).
+constexpr int64_t kInt4Rows = 3;
+
+// A packed weight held two or three ways: fbgemm's (the TorchScript path's, and this file's without VNNI),
+// graphspec's int8 (empty without VNNI) and, once a forward asks for it, graphspec's int4.
 struct Weight {
   Packed fb;
   Int8Matrix own;
+  Int4Matrix own4;  // empty until ensure_int4
   explicit Weight(Packed p) : fb(std::move(p)) {
     if (graphspec_native::have_vnni()) own = repack(fb);
   }
-  at::Tensor apply(const at::Tensor& x, bool vnni) const {
-    return vnni ? graphspec_native::int8_linear(x, own) : fb->apply_dynamic(x, false);  // vnni: own is packed
+  void ensure_int4() {
+    if (own4.n == 0) own4 = repack4(fb);
+  }
+  void drop_int4() { own4 = Int4Matrix(); }
+  at::Tensor apply(const at::Tensor& x, Gemm g) const {
+    switch (g) {  // kVnni, kInt4: set_gemm made sure own (and own4) are packed
+      case Gemm::kInt4:  // past kInt4Rows the int4 loop is compute-bound and slower than the int8 one
+        return x.size(0) <= kInt4Rows ? graphspec_native::int4_linear(x, own4) : graphspec_native::int8_linear(x, own);
+      case Gemm::kVnni: return graphspec_native::int8_linear(x, own);
+      default: return fb->apply_dynamic(x, false);
+    }
   }
 };
 
@@ -89,7 +119,7 @@ void check_float(const at::Tensor& t, const char* what) {
 struct Int8Draft : torch::CustomClassHolder {
   std::vector<Weight> wqkv, wo, w13, w2;
   std::vector<Weight> heads;  // the lm_heads seen (the full one, a pruned one), repacked once each
-  bool vnni = graphspec_native::have_vnni();
+  Gemm layers_gemm = graphspec_native::have_vnni() ? Gemm::kVnni : Gemm::kFbgemm;  // the layers' products
   std::vector<c10::optional<at::Tensor>> bqkv, bo;
   std::vector<at::Tensor> in_norm, post_norm;
   at::Tensor norm;
@@ -128,15 +158,29 @@ struct Int8Draft : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(wqkv.size()); }
 
-  // Which GEMM the forward runs: "vnni" (graphspec's, kernels/_int8_gemm.h; the default where built with
-  // AVX-512 VNNI) or "fbgemm" (torch's, the TorchScript path's GEMM).
-  std::string gemm() const { return vnni ? "vnni" : "fbgemm"; }
-  void set_gemm(const std::string& name) {
-    TORCH_CHECK(name == "vnni" || name == "fbgemm", "int8_native: gemm must be 'vnni' or 'fbgemm', got '", name, "'");
-    TORCH_CHECK(name == "fbgemm" || graphspec_native::have_vnni(),
-                "int8_native: the 'vnni' GEMM needs AVX-512 VNNI, which this build lacks");
-    vnni = name == "vnni";
+  // Which GEMM the forward runs: "vnni" (graphspec's int8, kernels/_int8_gemm.h; the default where built with
+  // AVX-512 VNNI), "fbgemm" (torch's, the TorchScript path's GEMM) or "int4" (the layers' products rounded
+  // again to 4 bits, kernels/_int4_gemm.h, packed on the first switch; the lm_head stays on the int8 GEMM).
+  std::string gemm() const {
+    return layers_gemm == Gemm::kInt4 ? "int4" : layers_gemm == Gemm::kVnni ? "vnni" : "fbgemm";
   }
+  void set_gemm(const std::string& name) {
+    TORCH_CHECK(name == "vnni" || name == "fbgemm" || name == "int4",
+                "int8_native: gemm must be 'vnni', 'int4' or 'fbgemm', got '", name, "'");
+    TORCH_CHECK(name == "fbgemm" || graphspec_native::have_vnni(), "int8_native: the '", name,
+                "' GEMM needs AVX-512 VNNI, which this build lacks");
+    if (name == "int4")
+      for (auto* ws : {&wqkv, &wo, &w13, &w2})
+        for (Weight& w : *ws) w.ensure_int4();
+    layers_gemm = name == "int4" ? Gemm::kInt4 : name == "vnni" ? Gemm::kVnni : Gemm::kFbgemm;
+  }
+  // Frees the int4 copies (the layers' products must not be running on them).
+  void drop_int4() {
+    TORCH_CHECK(layers_gemm != Gemm::kInt4, "int8_native: the forward runs the int4 GEMM; set_gemm another first");
+    for (auto* ws : {&wqkv, &wo, &w13, &w2})
+      for (Weight& w : *ws) w.drop_int4();
+  }
+  Gemm head_gemm() const { return layers_gemm == Gemm::kInt4 ? Gemm::kVnni : layers_gemm; }
 
   const Weight& head_for(const Packed& p) {
     for (const Weight& w : heads)
@@ -227,7 +271,7 @@ struct Int8Draft : torch::CustomClassHolder {
     for (int64_t i = 0; i < L; ++i) {
       const float* w_in = in_norm[i].data_ptr<float>();
       for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, w_in, xp + t * H, H, e);
-      at::Tensor qkv = wqkv[i].apply(xn, vnni);
+      at::Tensor qkv = wqkv[i].apply(xn, layers_gemm);
       TORCH_CHECK(qkv.is_contiguous() && qkv.numel() == T * qkv_cols, "int8_native: layer ", i, "'s qkv weight gave ",
                   qkv.sizes(), ", expected [", T, ", ", qkv_cols, "]");
       if (bqkv[i]) qkv.add_(*bqkv[i]);
@@ -248,7 +292,7 @@ struct Int8Draft : torch::CustomClassHolder {
         std::memcpy(vb + (start + t) * hk * D, row + (hq + hk) * D, sizeof(float) * hk * D);
         attend(q.data(), kb, vb, ap + t * hq * D, scores.data(), start + t + 1);
       }
-      at::Tensor o = wo[i].apply(att, vnni);
+      at::Tensor o = wo[i].apply(att, layers_gemm);
       if (bo[i]) o.add_(*bo[i]);
       const float* op = o.data_ptr<float>();
       const float* w_post = post_norm[i].data_ptr<float>();
@@ -258,7 +302,7 @@ struct Int8Draft : torch::CustomClassHolder {
         for (int64_t j = 0; j < H; ++j) hr[j] += op[t * H + j];
         rms_norm(hr, w_post, xp + t * H, H, e);
       }
-      at::Tensor gu = w13[i].apply(xn, vnni);  // [T, 2I]: gate then up
+      at::Tensor gu = w13[i].apply(xn, layers_gemm);  // [T, 2I]: gate then up
       const int64_t I = gu.size(1) / 2;
       at::Tensor act = at::empty({T, I}, h.options());
       float* gp = gu.data_ptr<float>();
@@ -269,7 +313,7 @@ struct Int8Draft : torch::CustomClassHolder {
 #pragma omp simd
         for (int64_t j = 0; j < I; ++j) a[j] = g[j] / (1.f + fast_exp(-g[j])) * g[j + I];  // silu(gate) * up
       }
-      at::Tensor dn = w2[i].apply(act, vnni);
+      at::Tensor dn = w2[i].apply(act, layers_gemm);
       const float* dp = dn.data_ptr<float>();
 #pragma omp simd
       for (int64_t j = 0; j < T * H; ++j) hp[j] += dp[j];
@@ -281,10 +325,10 @@ struct Int8Draft : torch::CustomClassHolder {
                                              out.data_ptr<float>() + r * H, H, e);
     const Weight& hw = head_for(head);
     if (n == 0) {  // no rows wanted (a caller's empty logits_for): the head's width from one dummy row
-      const at::Tensor one = hw.apply(at::zeros({1, H}, h.options()), vnni);
+      const at::Tensor one = hw.apply(at::zeros({1, H}, h.options()), head_gemm());
       return one.narrow(0, 0, 0).view({1, 0, one.size(1)});
     }
-    const at::Tensor logits = hw.apply(out, vnni);
+    const at::Tensor logits = hw.apply(out, head_gemm());
     return logits.view({1, n, logits.size(1)});
   }
 };
@@ -296,6 +340,13 @@ struct Int8Linear : torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x) const { return graphspec_native::int8_linear(x.contiguous(), w); }
 };
 
+// The same through graphspec's int4 GEMM (the weight rounded again to 4 bits): Int4Linear(packed).forward(x).
+struct Int4Linear : torch::CustomClassHolder {
+  Int4Matrix w;
+  explicit Int4Linear(Packed p) : w(repack4(p)) {}
+  at::Tensor forward(at::Tensor x) const { return graphspec_native::int4_linear(x.contiguous(), w); }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(graphspec_int8_native, m) {
@@ -305,7 +356,9 @@ TORCH_LIBRARY(graphspec_int8_native, m) {
       .def("num_layers", &Int8Draft::num_layers)
       .def("gemm", &Int8Draft::gemm)
       .def("set_gemm", &Int8Draft::set_gemm)
+      .def("drop_int4", &Int8Draft::drop_int4)
       .def("forward", &Int8Draft::forward);
   m.class_<Int8Linear>("Int8Linear").def(torch::init<Packed>()).def("forward", &Int8Linear::forward);
+  m.class_<Int4Linear>("Int4Linear").def(torch::init<Packed>()).def("forward", &Int4Linear::forward);
   m.def("have_vnni() -> bool", [] { return graphspec_native::have_vnni(); });
 }

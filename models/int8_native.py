@@ -13,7 +13,12 @@ with two, both on fbgemm's GEMMs).
   beside fbgemm's (which the TorchScript path still uses): the int8 weights' bytes once more
   (SmolLM2-135M about 135 MB, the pruned Qwen2.5-0.5B about 420 MB). ``draft_for(model).set_gemm("fbgemm")``
   switches one model back (``using_gemm`` for a block; benchmarks, tests); ``default_gemm()`` says what a
-  new one runs.
+  new int8 one runs.
+- ``quantize="int4"`` models start on the "int4" GEMM (kernels/_int4_gemm.h; ``set_gemm("int4")`` on any
+  int8 model does the same): the layers' products of up to 3 rows with the int8 weights rounded again to 4
+  bits in groups of 64 inputs, packed on the first switch (about 0.56x the int8 bytes more), larger ones and
+  the lm_head on the int8 GEMM. The 0.5B's layer products a token 16.9 -> 10.7 ms, at some acceptance
+  (perf/RESULTS.md section Q).
 - What runs here: cached forwards of an int8 model (``quantize="int8"``, always a draft) with batch 1 and
   no tree mask, any number of new tokens; everything else (batches, draft-beam levels) stays on the
   TorchScript path. ``Transformer._forward_int8`` decides.
@@ -39,7 +44,7 @@ import torch
 
 from graphspec.kernels._native import Gate, NativeBuildError, build
 
-__all__ = ["ENV", "mode", "available", "default_gemm", "draft_for", "using_gemm", "NativeBuildError"]
+__all__ = ["ENV", "mode", "available", "have_vnni", "default_gemm", "draft_for", "using_gemm", "NativeBuildError"]
 
 ENV = "GRAPHSPEC_INT8_NATIVE"
 _SOURCE = Path(__file__).with_name("int8_native.cpp")
@@ -70,11 +75,18 @@ def available() -> bool:
     return _gate.available(_load)
 
 
+def have_vnni() -> bool:
+    """Whether the extension was built with AVX-512 VNNI (graphspec's int8 and int4 GEMMs); False where it
+    is not available at all."""
+    return available() and bool(torch.ops.graphspec_int8_native.have_vnni())
+
+
 def default_gemm() -> str:
-    """The GEMM a new C++ draft runs: "vnni" (graphspec's, where built with AVX-512 VNNI) or "fbgemm"."""
+    """The GEMM a new C++ draft of an int8 model runs: "vnni" (graphspec's, where built with AVX-512 VNNI) or
+    "fbgemm". (A ``quantize="int4"`` model's runs "int4".)"""
     if not available():
         raise NativeBuildError(f"{_WHAT} is not available here ({ENV}={mode()})")
-    return "vnni" if torch.ops.graphspec_int8_native.have_vnni() else "fbgemm"
+    return "vnni" if have_vnni() else "fbgemm"
 
 
 def draft_for(model):
@@ -91,13 +103,15 @@ def draft_for(model):
     for layer in layers:
         obj.add_layer(layer.wqkv.packed, layer.bqkv, layer.wo.packed, layer.bo, layer.w13.packed, layer.w2.packed,
                       layer.input_norm.contiguous(), layer.post_norm.contiguous())
+    if model.quantize == "int4":
+        obj.set_gemm("int4")
     model._int8_native = (key, obj)
     return obj
 
 
 @contextlib.contextmanager
 def using_gemm(model, name: str):
-    """Inside the block ``model``'s C++ forward runs ``name``'s GEMM ("vnni" or "fbgemm"); then what it ran before."""
+    """Inside the block ``model``'s C++ forward runs ``name``'s GEMM ("vnni", "int4" or "fbgemm"); then what it ran before."""
     draft = draft_for(model)
     before = draft.gemm()
     draft.set_gemm(name)

@@ -45,7 +45,8 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     dtype: torch.float32 / bfloat16 / float16 or their names; None uses the checkpoint's.
     backend: None (dispatch by device), "torch" or "triton": pinned for this model's forward.
     quantize: None, or "int8" for a draft model on the CPU (int8 GEMM weights, activations in
-    ``dtype``; approximate: see ``Transformer``).
+    ``dtype``; approximate: see ``Transformer``), or "int4" (the same, with the C++ forward's
+    few-row layer products in 4 bits; needs AVX-512 VNNI).
     """
     directory = _resolve(path)
     config = ModelConfig.from_file(directory / "config.json")

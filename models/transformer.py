@@ -27,6 +27,10 @@
   interpreter (SmolLM2-135M step 22 -> 16 -> 11.5 ms on one core), and with batch 1 and no tree
   mask as C++ loops around the same GEMMs (``graphspec.models.int8_native``; 15.3 -> 10.4 ms in
   a later measurement), because at these sizes the per-op cost is a large part of a draft step.
+- ``quantize="int4"``: an int8 model whose C++ forward runs the layers' products of up to 3 rows
+  with those int8 weights rounded again to 4 bits, one scale per 64 inputs (kernels/_int4_gemm.h:
+  0.56 bytes a weight); prefills, the lm_head, draft-beam levels and batches stay int8. It needs
+  that forward and AVX-512 VNNI, and says so at load where they are missing (no silent int8).
 - Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
   Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
 - A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
@@ -64,16 +68,24 @@ class Layer:
     w2: torch.Tensor | PackedWeight | Int8Weight  # [H, I]
 
 
-QUANTIZE_MODES = (None, "int8")
+QUANTIZE_MODES = (None, "int8", "int4")
 
 
 def check_quantize(quantize, backend, device) -> None:
-    """``quantize`` must be None or "int8", and int8 needs the CPU torch path (it is for drafts)."""
+    """``quantize`` must be None, "int8" or "int4", and both need the CPU torch path (they are for drafts)."""
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize={quantize!r} is not one of {QUANTIZE_MODES}")
     if quantize and (backend == "triton" or torch.device(device).type != "cpu"):
-        raise ValueError(f"quantize={quantize!r} runs torch's int8 CPU GEMM; it cannot run on {device} with "
-                         f"backend={backend!r}: load this model without quantize")
+        raise ValueError(f"quantize={quantize!r} runs graphspec's and torch's int8 CPU GEMMs; it cannot run on "
+                         f"{device} with backend={backend!r}: load this model without quantize")
+    if quantize == "int4":
+        if not int8_native.available():
+            raise ValueError(f"quantize='int4' runs in the C++ int8 draft forward, which is not available here "
+                             f"({int8_native.ENV}={int8_native.mode()}; it needs a C++ compiler): "
+                             "use quantize='int8'")
+        if not int8_native.have_vnni():
+            raise ValueError("quantize='int4' needs AVX-512 VNNI, which this CPU (or the compiler's "
+                             "-march=native) lacks: use quantize='int8'")
 
 
 class Transformer:
@@ -116,7 +128,7 @@ class Transformer:
     def _prepare(self, weight: torch.Tensor):
         """One GEMM weight in this model's layout: int8 when quantized, else what the kernels side prefers."""
         with use_backend(self.backend):
-            return quantize_weight(weight.float()) if self.quantize == "int8" else prepare_weight(weight)
+            return quantize_weight(weight.float()) if self.quantize else prepare_weight(weight)  # int4: int8 here
 
     @property
     def dtype(self) -> torch.dtype:

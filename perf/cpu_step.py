@@ -53,10 +53,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize", default="none", choices=["none", "int8"],
                     help="int8: the model as a draft runs it (kernels.linear.Int8Weight); layouts then do not apply")
     ap.add_argument("--int8-forwards", nargs="+", default=["native", "torchscript"],
-                    choices=["native", "native-fbgemm", "torchscript"],
+                    choices=["native", "native-fbgemm", "native-int4", "torchscript"],
                     help="with --quantize int8: time the C++ forward (graphspec.models.int8_native) with its own int8 "
-                         "GEMM, the C++ forward with fbgemm's GEMM (native-fbgemm), the TorchScript one, or several, "
-                         "each as its own layout int8-<name>")
+                         "GEMM, the C++ forward with fbgemm's GEMM (native-fbgemm), with the int4 GEMM (native-int4: "
+                         "quantize='int4'), the TorchScript one, or several, each as its own layout int8-<name>")
     ap.add_argument("--min-rows", type=int, nargs="+", default=None, metavar="ROWS",
                     help="also time with products of fewer rows padded to these row counts (kernels.linear.MIN_ROWS; "
                          "1 = unpadded); default: the library's setting only")
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
                     if not int8_native.available():
                         raise SystemExit(f"the C++ int8 forward is unavailable here ({int8_native.ENV}="
                                          f"{int8_native.mode()}); pass --int8-forwards torchscript")
-                    int8_native.draft_for(model).set_gemm("fbgemm" if layout == "int8-native-fbgemm"
-                                                          else int8_native.default_gemm())
+                    gemms = {"int8-native-fbgemm": "fbgemm", "int8-native-int4": "int4"}
+                    int8_native.draft_for(model).set_gemm(gemms.get(layout, int8_native.default_gemm()))
             for threads, pad in ((th, p) for th in args.threads for p in pads):
                 torch.set_num_threads(threads)
                 linear_mod.MIN_ROWS = pad

@@ -370,7 +370,7 @@ def main(argv=None) -> int:
                     help="K for the SmolLM2 chain (spec_smollm2_chain)")
     ap.add_argument("--k-cross-beam", type=int, default=k["spec_smollm2_beam"],
                     help="K for the SmolLM2 beam (spec_smollm2_beam)")
-    ap.add_argument("--draft-quantize", default="int8", choices=["int8", "none"],
+    ap.add_argument("--draft-quantize", default="int8", choices=["int8", "int4", "none"],
                     help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); 0 keeps them whole; "

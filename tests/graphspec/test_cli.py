@@ -126,7 +126,7 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-vocab", "100", "hi"), ["--draft-vocab"]),
     (("run", "--target", "TINY", "--draft-vocab", "0", "hi"), ["--draft-vocab"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-vocab", "most", "hi"), ["--draft-vocab", "most"]),
-    (("run", "--target", "TINY", "--draft", "TINY", "--draft-quantize", "int4", "hi"), ["--draft-quantize"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-quantize", "int2", "hi"), ["--draft-quantize"]),
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-siblings", "2", "hi"), ["--draft-siblings"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "-1", "hi"), ["--draft-siblings"]),
     (("bench", "--target", "TINY", "--draft", "TINY", "--draft-siblings", "2"), ["--draft-siblings"]),

@@ -78,6 +78,29 @@ def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype):
         assert same.run(prompt, max_new_tokens=24, ignore_eos=True).stats.acceptance_rate > 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_drafts_give_the_autoregressive_tokens(dirs, dtype):
+    """quantize="int4" (the C++ forward's few-row products in 4 bits, kernels/_int4_gemm.h): the draft
+    proposes from coarser weights, the output stays the target's, token for token."""
+    from graphspec.models import int8_native
+
+    if not int8_native.have_vnni():
+        pytest.skip("quantize='int4' needs the C++ int8 forward built with AVX-512 VNNI")
+    target_dir, other_dir = dirs
+    target = graphspec.load_model(target_dir, dtype=dtype)
+    tok = target.tokenizer
+    int4_draft = graphspec.load_model(target_dir, dtype=dtype, quantize="int4")
+    assert "quantize=int4" in repr(int4_draft) and int8_native.draft_for(int4_draft).gemm() == "int4"
+    prompts = [tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4), tok.encode("The")[:1]]
+    for prompt in prompts:
+        ref = graphspec.Pipeline(target).run(prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        for draft, kw in ((int4_draft, {}), (str(other_dir), {"draft_quantize": "int4"}),
+                          (int4_draft, {"draft_siblings": 2})):
+            out = graphspec.Pipeline(target, draft, num_speculative_tokens=4, dtype=dtype, **kw).run(
+                prompt, max_new_tokens=24, ignore_eos=True)
+            assert out.token_ids == ref, (draft, kw, prompt)
+
+
 def test_pruned_draft_vocabulary(dirs, models):
     from graphspec.drafters import DraftHead, draft_vocab_ids
 
@@ -139,8 +162,8 @@ def test_draft_quantize_is_checked(dirs, models):
         graphspec.Pipeline(target, other, draft_quantize="int8")
     with pytest.raises(ValueError, match="needs a model draft"):
         graphspec.Pipeline(target, "ngram", draft_quantize="int8")
-    with pytest.raises(ValueError, match="quantize='int4'"):
-        graphspec.Pipeline(target, str(other_dir), draft_quantize="int4")
+    with pytest.raises(ValueError, match="quantize='int2' is not one of"):
+        graphspec.Pipeline(target, str(other_dir), draft_quantize="int2")
     with pytest.raises(ValueError, match="without quantize"):
         graphspec.load_model(other_dir, quantize="int8", backend="triton")
 

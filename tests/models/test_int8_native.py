@@ -204,7 +204,7 @@ def test_vnni_gemm_is_its_quantization_done_in_torch(n, k, vnni):
 
 def test_set_gemm_refuses_unknown_names(model, vnni):
     obj = int8_native.draft_for(model)
-    with pytest.raises(RuntimeError, match="gemm must be 'vnni' or 'fbgemm', got 'mkl'"):
+    with pytest.raises(RuntimeError, match="gemm must be 'vnni', 'int4' or 'fbgemm', got 'mkl'"):
         obj.set_gemm("mkl")
     assert obj.gemm() == "vnni"
 

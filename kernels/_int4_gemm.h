@@ -1,0 +1,206 @@
+// An int4 GEMM (4-bit weights in groups of 64 inputs, 8-bit activations) for small row counts on CPUs with
+// AVX-512 VNNI: the int8 draft forward's layer products where a draft is asked to run in 4 bits
+// (models/int8_native.cpp, set_gemm("int4")). Header-only, beside kernels/_int8_gemm.h, whose activation
+// rounding it shares.
+//
+// Why: a draft forward on one core is a stream of its weights (the pruned Qwen2.5-0.5B reads about 420 MB of
+// int8 a token, 25 ms at the AMD EPYC's 22-28 GB/s). In 4 bits, with one fp32 scale per 64 weights, the
+// stream is 0.5625 bytes a weight instead of 1. A draft may compute anything without breaking losslessness;
+// what 4 bits cost is acceptance (perf/RESULTS.md has both).
+//
+// Weights (pack_int4): made from the int8 weight (symmetric, one scale s_r per output row) by rounding each
+// group of 64 inputs of a row again: m = max |q8| over the group, the group's scale s_r * m / 7, q4 =
+// round(q8 * 7 / m) (halves away from zero, in integers) in [-7, 7] (so a group whose int8 values already fit in 4 bits keeps them exactly). Stored
+// as w' = q4 + 8 in [0, 15], two to a byte. Layout: tiles of up to 2 blocks of 16 outputs; a tile of nb blocks
+// holds, for each group g, for each pair p (0..7) of 4-input groups, for each block, 64 bytes: byte o * 4 + i
+// has input g * 64 + 8p + i of output o in its low nibble and input g * 64 + 8p + 4 + i in its high nibble.
+// Scales beside it, in the same tile order ([groups, nb * 16] a tile).
+//
+// Sums: with each row of x rounded as in _int8_gemm.h (x ~ s_x * (u - z)),
+//   y[m, n] = s_x * (sum_g s[g, n] * (A[g, m, n] - 8 * U[g, m]) - z * R[n]),
+// A the int32 sum of u * w' over the group (vpdpbusd), U the sum of the row's u over the group, R[n] =
+// sum_g s[g, n] * Q[g, n] with Q the sum of the group's q4. Each group's int32 sum is exact; the groups are
+// added in fp32 in a fixed order, so a row's result does not depend on the other rows or the thread count.
+
+#pragma once
+
+#include "_int8_gemm.h"
+
+namespace graphspec_native {
+
+constexpr int64_t kI4Group = 64;       // inputs per scale
+constexpr int64_t kI4TileBlocks = 2;   // blocks per tile (32 outputs)
+constexpr int kI4MaxRows = 4;          // 4 rows x 2 blocks x (2 int32 + 1 fp32 sums) = 24 zmm, + 4 weights, 2 broadcasts
+
+// A packed int4 weight (see the layout above).
+struct Int4Matrix {
+  at::Tensor data;    // uint8, the tiles back to back
+  at::Tensor scales;  // fp32, [groups, nb * 16] a tile, tiles back to back; 0 past n
+  at::Tensor zsum;    // fp32 [blocks * 16]: R above, 0 past n
+  int64_t n = 0, k = 0;
+
+  int64_t blocks() const { return (n + kI8Block - 1) / kI8Block; }
+  int64_t groups() const { return (k + kI4Group - 1) / kI4Group; }
+};
+
+// q: int8 [N, K] (as pack_int8 takes it), scales: [N] per output row. Rounds again to 4 bits (above).
+inline Int4Matrix pack_int4(const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(),
+              "pack_int4: the weight must be a 2-d int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0), "pack_int4: ", q.size(0), " rows but ",
+              scales.numel(), " scales");
+  Int4Matrix m;
+  m.n = q.size(0);
+  m.k = q.size(1);
+  TORCH_CHECK(m.n > 0 && m.k > 0, "pack_int4: empty weight ", q.sizes());
+  const int64_t nb = m.blocks(), G = m.groups(), rows = nb * kI8Block;
+  at::Tensor q8 = at::zeros({rows, G * kI4Group}, q.options().dtype(at::kInt));
+  q8.narrow(0, 0, m.n).narrow(1, 0, m.k).copy_(q);
+  at::Tensor sr = at::zeros({rows, 1}, q.options().dtype(at::kFloat));
+  sr.narrow(0, 0, m.n).copy_(scales.to(at::kFloat).view({m.n, 1}));
+  const at::Tensor groups = q8.view({rows, G, kI4Group});
+  const at::Tensor mx = std::get<0>(groups.abs().max(2));  // [rows, G]
+  // q4 = round(q8 * 7 / m), halves away from zero, in integers (exact, so tests can redo it): |q4| <= 7
+  const at::Tensor den = (2 * mx.clamp_min(1)).unsqueeze(2);
+  const at::Tensor q4 = (groups.abs() * 14 + den / 2).div(den, "floor") * groups.sign();
+  const at::Tensor gs = sr * mx.to(at::kFloat) / 7.0f;                    // [rows, G] the groups' scales
+  m.zsum = (gs * q4.sum(2).to(at::kFloat)).sum(1).contiguous();           // [rows]
+  const at::Tensor w = (q4 + 8).to(at::kByte).view({rows, G, 8, 2, 4});  // pair p, half (low / high), input i
+  m.data = at::empty({rows * G * kI4Group / 2}, q.options().dtype(at::kByte));
+  m.scales = at::empty({rows * G}, sr.options());
+  for (int64_t b0 = 0, off = 0, soff = 0; b0 < nb; b0 += kI4TileBlocks) {
+    const int64_t tb = std::min(kI4TileBlocks, nb - b0);
+    // [tb * 16, G, 8, 2, 4] -> [G, 8, tb * 16, 4, 2]: per (group, pair, block) 16 outputs x 4 inputs x 2 halves
+    const at::Tensor t = w.narrow(0, b0 * kI8Block, tb * kI8Block).permute({1, 2, 0, 4, 3});
+    const at::Tensor packed = t.select(4, 0).bitwise_or(t.select(4, 1).bitwise_left_shift(4));  // [G, 8, tb*16, 4]
+    m.data.narrow(0, off, packed.numel()).view(packed.sizes()).copy_(packed);
+    off += packed.numel();
+    const at::Tensor st = gs.narrow(0, b0 * kI8Block, tb * kI8Block).t();  // [G, tb * 16]
+    m.scales.narrow(0, soff, st.numel()).view(st.sizes()).copy_(st);
+    soff += st.numel();
+  }
+  return m;
+}
+
+#if GS_HAVE_VNNI
+
+// y[m, f0 .. f0 + NB*16) for M rows of u (groups * 16 uint32 each, row stride ldu; us: the rows' u sums per
+// group, stride ldus) and a tile of NB blocks (its weights w, its scales sc).
+template <int M, int NB>
+inline void int4_tile(const uint32_t* u, int64_t ldu, const int32_t* us, int64_t ldus, const uint8_t* w,
+                      const float* sc, int64_t groups, const float* xs, const int32_t* xz, const float* zs, float* y,
+                      int64_t ldy, int64_t f0, int64_t n) {
+  __m512 facc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < M; ++r) facc[j][r] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i* wp = reinterpret_cast<const __m512i*>(w);
+  for (int64_t g = 0; g < groups; ++g) {
+    // low and high nibbles into separate sums: two chains of 8 vpdpbusd a group, not one of 16
+    __m512i alo[NB][M], ahi[NB][M];
+    for (int j = 0; j < NB; ++j)
+      for (int r = 0; r < M; ++r) alo[j][r] = ahi[j][r] = _mm512_setzero_si512();
+    for (int p = 0; p < 8; ++p) {
+      __m512i lo[NB], hi[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m512i v = _mm512_loadu_si512(wp + (g * 8 + p) * NB + j);
+        lo[j] = _mm512_and_si512(v, nib);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+      for (int r = 0; r < M; ++r) {
+        const uint32_t* ur = u + r * ldu + g * 16 + 2 * p;
+        const __m512i ul = _mm512_set1_epi32(static_cast<int>(ur[0]));
+        const __m512i uh = _mm512_set1_epi32(static_cast<int>(ur[1]));
+        for (int j = 0; j < NB; ++j) {
+          alo[j][r] = dpbusd(alo[j][r], ul, lo[j]);
+          ahi[j][r] = dpbusd(ahi[j][r], uh, hi[j]);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 s = _mm512_loadu_ps(sc + (g * NB + j) * kI8Block);
+      for (int r = 0; r < M; ++r) {
+        const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(alo[j][r], ahi[j][r]),
+                                           _mm512_set1_epi32(8 * us[r * ldus + g]));
+        facc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), s, facc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t f = f0 + j * kI8Block;
+    const int64_t valid = std::min<int64_t>(kI8Block, n - f);
+    const __mmask16 mask = valid == kI8Block ? static_cast<__mmask16>(0xFFFF)
+                                             : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 zv = _mm512_loadu_ps(zs + f);
+    for (int r = 0; r < M; ++r) {
+      const __m512 v = _mm512_fnmadd_ps(zv, _mm512_set1_ps(static_cast<float>(xz[r])), facc[j][r]);
+      _mm512_mask_storeu_ps(y + r * ldy + f, mask, _mm512_mul_ps(v, _mm512_set1_ps(xs[r])));
+    }
+  }
+}
+
+inline void int4_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, const int32_t* us, int64_t ldus,
+                          const uint8_t* w, const float* sc, int64_t groups, const float* xs, const int32_t* xz,
+                          const float* zs, float* y, int64_t ldy, int64_t f0, int64_t n) {
+  switch (rows * 8 + nb) {
+#define GS_I4_TILE(R, B) \
+  case R * 8 + B: int4_tile<R, B>(u, ldu, us, ldus, w, sc, groups, xs, xz, zs, y, ldy, f0, n); return;
+#define GS_I4_ROWS(R) GS_I4_TILE(R, 1) GS_I4_TILE(R, 2)
+    GS_I4_ROWS(1) GS_I4_ROWS(2) GS_I4_ROWS(3) GS_I4_ROWS(4)
+#undef GS_I4_ROWS
+#undef GS_I4_TILE
+    default: TORCH_CHECK(false, "int4 GEMM: internal error, a ", rows, " x ", nb, " tile");
+  }
+}
+
+#endif  // GS_HAVE_VNNI
+
+// y [rows, N] fp32 = x [rows, K] fp32 (contiguous) times the packed int4 weight, as described above.
+inline at::Tensor int4_linear(const at::Tensor& x, const Int4Matrix& w) {
+  TORCH_CHECK(have_vnni(), "int4 GEMM: built without AVX-512 VNNI (this CPU or compiler lacks it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "int4 GEMM: x must be a contiguous 2-d fp32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) == w.k, "int4 GEMM: x has ", x.size(1), " columns, the weight ", w.k, " inputs");
+  const int64_t rows = x.size(0), n = w.n, G = w.groups(), nb = w.blocks(), kq = G * kI4Group / 4;
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+#if GS_HAVE_VNNI
+  std::vector<uint32_t> u(static_cast<size_t>(rows * kq));
+  std::vector<int32_t> us(static_cast<size_t>(rows * G));
+  std::vector<float> xs(rows);
+  std::vector<int32_t> xz(rows);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m) {
+    uint8_t* um = reinterpret_cast<uint8_t*>(u.data() + m * kq);
+    quantize_row(xp + m * w.k, w.k, kq * 4, um, &xs[m], &xz[m]);
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t s = 0;
+      for (int64_t i = 0; i < kI4Group; ++i) s += um[g * kI4Group + i];
+      us[m * G + g] = s;
+    }
+  }
+  const int64_t chunks = (rows + kI4MaxRows - 1) / kI4MaxRows;  // equal chunks, as int8_linear
+  const int64_t step = (rows + chunks - 1) / chunks;
+  const uint8_t* wd = w.data.data_ptr<uint8_t>();
+  const float* sd = w.scales.data_ptr<float>();
+  const float* zs = w.zsum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (nb + kI4TileBlocks - 1) / kI4TileBlocks;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = t * kI4TileBlocks;
+      const int tb = static_cast<int>(std::min(kI4TileBlocks, nb - b0));
+      const uint8_t* wt = wd + b0 * kI8Block * G * kI4Group / 2;
+      const float* st = sd + b0 * kI8Block * G;
+      for (int64_t r = 0; r < rows; r += step) {
+        const int chunk = static_cast<int>(std::min(step, rows - r));
+        int4_tile_any(chunk, tb, u.data() + r * kq, kq, us.data() + r * G, G, wt, st, G, xs.data() + r,
+                      xz.data() + r, zs, yp + r * n, n, b0 * kI8Block, n);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace graphspec_native
