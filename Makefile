@@ -1,13 +1,14 @@
-# Two entry points, each creating or updating the local virtualenv by itself:
+# Entry points, each creating or updating the local virtualenv by itself:
 #   make demo   - speculative decoding on real small checkpoints (fetched once, cached)
 #   make test   - the whole test suite (what CI runs)
+#   make check-device-triton - the kernel tests under the GPU machine's triton (3.6), before a device call
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch 2.13.0 lies on these machines' disk; installing it first keeps
 # pip from pulling a multi-GB CUDA build for the bare `torch` requirement.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench venv
+.PHONY: demo test bench venv check-device-triton
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -25,3 +26,15 @@ test: venv
 
 bench: venv
 	$(PY) -m pytest perf -q --benchmark-only
+
+# The kernel tests (interpreted, and the sm_90 compile checks) under the GPU machine's triton (3.6, see
+# ../shared/GPU.md) instead of the venv's, so a Triton feature that 3.6 lacks fails here rather than in a
+# device call. The wheels go to .cache/ once (about 190 MB); numpy 2.2 because triton 3.6's interpreter
+# converts 1-element arrays to scalars, which numpy 2.4 refuses. Not part of `make test`.
+DEVICE_TRITON ?= 3.6.0
+DEVICE_TRITON_DIR := .cache/triton-$(DEVICE_TRITON)
+check-device-triton: venv
+	test -d $(DEVICE_TRITON_DIR) || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
+	    --target $(DEVICE_TRITON_DIR) "triton==$(DEVICE_TRITON)" "numpy==2.2.6"
+	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -c "import triton; assert triton.__version__ == '$(DEVICE_TRITON)', triton.__version__"
+	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -m pytest tests/kernels -q -p no:cacheprovider
