@@ -194,14 +194,30 @@ struct Int8Draft : torch::CustomClassHolder {
   void attend(const float* q, const float* kb, const float* vb, float* out, float* scores, int64_t len) const {
     const int64_t D = d, group = hq / hk, row = hk * D;
     const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
+    // Head dims of whole zmm (64, 128): one fp32 sum a lane, then one horizontal add. (The omp simd
+    // reduction below compiled to a store and 16 dependent scalar adds per dot product: about 1 ms of
+    // SmolLM2's 8 ms forward after 200 cached tokens.)
+    const bool wide = D % 16 == 0;
+#else
+    const bool wide = false;
+#endif
     for (int64_t s = 0; s < len; ++s) {  // scores [hq, len]: each cached key row read once, in slot order
       const float* kr = kb + s * row;
       for (int64_t h = 0; h < hq; ++h) {
         const float* kh = kr + (h / group) * D;
         const float* qh = q + h * D;
         float acc = 0.f;
+        if (wide) {
+#if defined(__AVX512F__)
+          __m512 v = _mm512_setzero_ps();
+          for (int64_t j = 0; j < D; j += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), _mm512_loadu_ps(kh + j), v);
+          acc = _mm512_reduce_add_ps(v);
+#endif
+        } else {
 #pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < D; ++j) acc += qh[j] * kh[j];
+          for (int64_t j = 0; j < D; ++j) acc += qh[j] * kh[j];
+        }
         scores[h * len + s] = acc * sc;
       }
     }

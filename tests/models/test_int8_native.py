@@ -29,13 +29,14 @@ ATOL = 1e-3
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
 # (arch, hidden, heads, kv_heads, layers, rope_scaling, extra config): GQA groups 1, 2 and 3, odd head counts,
-# head_dim 8..24, q/k/v biases (qwen2), an o_proj bias (llama attention_bias), llama3 rope scaling, a tied head
+# head_dim 8..24 and 64, q/k/v biases (qwen2), an o_proj bias (llama attention_bias), llama3 rope scaling, a tied head
 SHAPES = [
     ("llama", 64, 4, 2, 2, None, None),
     ("qwen2", 72, 3, 1, 3, None, None),
     ("mistral", 48, 6, 6, 2, None, None),
     ("llama", 120, 5, 5, 1, None, {"attention_bias": True}),
     ("llama", 96, 6, 2, 2, LLAMA3, None),
+    ("llama", 128, 2, 1, 1, None, None),  # head_dim 64, as the real drafts: the attention's AVX-512 dot products
 ]
 
 
