@@ -45,14 +45,10 @@ struct Int4Matrix {
 
 // q: int8 [N, K] (as pack_int8 takes it), scales: [N] per output row. Rounds again to 4 bits (above).
 inline Int4Matrix pack_int4(const at::Tensor& q, const at::Tensor& scales) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(),
-              "pack_int4: the weight must be a 2-d int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0), "pack_int4: ", q.size(0), " rows but ",
-              scales.numel(), " scales");
+  check_pack_input(q, scales, "pack_int4");
   Int4Matrix m;
   m.n = q.size(0);
   m.k = q.size(1);
-  TORCH_CHECK(m.n > 0 && m.k > 0, "pack_int4: empty weight ", q.sizes());
   const int64_t nb = m.blocks(), G = m.groups(), rows = nb * kI8Block;
   at::Tensor q8 = at::zeros({rows, G * kI4Group}, q.options().dtype(at::kInt));
   q8.narrow(0, 0, m.n).narrow(1, 0, m.k).copy_(q);
@@ -128,9 +124,7 @@ inline void int4_tile(const uint32_t* u, int64_t ldu, const int32_t* us, int64_t
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t f = f0 + j * kI8Block;
-    const int64_t valid = std::min<int64_t>(kI8Block, n - f);
-    const __mmask16 mask = valid == kI8Block ? static_cast<__mmask16>(0xFFFF)
-                                             : static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 mask = block_mask(f, n);
     const __m512 zv = _mm512_loadu_ps(zs + f);
     for (int r = 0; r < M; ++r) {
       const __m512 v = _mm512_fnmadd_ps(zv, _mm512_set1_ps(static_cast<float>(xz[r])), facc[j][r]);
@@ -157,10 +151,7 @@ inline void int4_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, cons
 
 // y [rows, N] fp32 = x [rows, K] fp32 (contiguous) times the packed int4 weight, as described above.
 inline at::Tensor int4_linear(const at::Tensor& x, const Int4Matrix& w) {
-  TORCH_CHECK(have_vnni(), "int4 GEMM: built without AVX-512 VNNI (this CPU or compiler lacks it)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "int4 GEMM: x must be a contiguous 2-d fp32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(x.size(1) == w.k, "int4 GEMM: x has ", x.size(1), " columns, the weight ", w.k, " inputs");
+  check_gemm_input(x, w.k, "int4 GEMM");
   const int64_t rows = x.size(0), n = w.n, G = w.groups(), nb = w.blocks(), kq = G * kI4Group / 4;
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
@@ -179,25 +170,14 @@ inline at::Tensor int4_linear(const at::Tensor& x, const Int4Matrix& w) {
       us[m * G + g] = s;
     }
   }
-  const int64_t chunks = (rows + kI4MaxRows - 1) / kI4MaxRows;  // equal chunks, as int8_linear
-  const int64_t step = (rows + chunks - 1) / chunks;
+  const int64_t step = chunk_rows(rows, kI4MaxRows);  // a tile's weights: 32 outputs x K, at most 143 KB
   const uint8_t* wd = w.data.data_ptr<uint8_t>();
   const float* sd = w.scales.data_ptr<float>();
   const float* zs = w.zsum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (nb + kI4TileBlocks - 1) / kI4TileBlocks;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b0 = t * kI4TileBlocks;
-      const int tb = static_cast<int>(std::min(kI4TileBlocks, nb - b0));
-      const uint8_t* wt = wd + b0 * kI8Block * G * kI4Group / 2;
-      const float* st = sd + b0 * kI8Block * G;
-      for (int64_t r = 0; r < rows; r += step) {
-        const int chunk = static_cast<int>(std::min(step, rows - r));
-        int4_tile_any(chunk, tb, u.data() + r * kq, kq, us.data() + r * G, G, wt, st, G, xs.data() + r,
-                      xz.data() + r, zs, yp + r * n, n, b0 * kI8Block, n);
-      }
-    }
+  for_tiles_and_chunks(nb, kI4TileBlocks, rows, step, [&](int64_t b0, int tb, int64_t r, int chunk) {
+    int4_tile_any(chunk, tb, u.data() + r * kq, kq, us.data() + r * G, G, wd + b0 * kI8Block * G * kI4Group / 2,
+                  sd + b0 * kI8Block * G, G, xs.data() + r, xz.data() + r, zs, yp + r * n, n, b0 * kI8Block, n);
   });
 #endif
   return y;

@@ -55,16 +55,21 @@ struct Int8Matrix {
   int64_t groups() const { return (k + 3) / 4; }  // groups of 4 inputs
 };
 
+// What pack_int8 and pack_int4 (_int4_gemm.h) take: q int8 [N, K] (contiguous or not), N, K > 0, and N scales.
+inline void check_pack_input(const at::Tensor& q, const at::Tensor& scales, const char* what) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(), what,
+              ": the weight must be a 2-d int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0), what, ": ", q.size(0), " rows but ",
+              scales.numel(), " scales");
+  TORCH_CHECK(q.size(0) > 0 && q.size(1) > 0, what, ": empty weight ", q.sizes());
+}
+
 // q: int8 [N, K] (contiguous or not), scales: [N] (any float dtype).
 inline Int8Matrix pack_int8(const at::Tensor& q, const at::Tensor& scales) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(),
-              "pack_int8: the weight must be a 2-d int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0), "pack_int8: ", q.size(0), " rows but ",
-              scales.numel(), " scales");
+  check_pack_input(q, scales, "pack_int8");
   Int8Matrix m;
   m.n = q.size(0);
   m.k = q.size(1);
-  TORCH_CHECK(m.n > 0 && m.k > 0, "pack_int8: empty weight ", q.sizes());
   const int64_t nb = m.blocks(), kq = m.groups();
   at::Tensor padded = at::zeros({nb * kI8Block, kq * 4}, q.options());
   padded.narrow(0, 0, m.n).narrow(1, 0, m.k).copy_(q);
@@ -112,6 +117,12 @@ inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
+// The outputs f .. f + 15 that exist (< n), as a store mask.
+inline __mmask16 block_mask(int64_t f, int64_t n) {
+  const int64_t valid = std::min<int64_t>(kI8Block, n - f);
+  return valid == kI8Block ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+}
+
 // y[m, f0 .. f0 + NB*16) for M rows of u (kq uint32 groups each, row stride ldu) and a tile of NB blocks.
 template <int M, int NB>
 inline void int8_tile(const uint32_t* u, int64_t ldu, const int8_t* w, int64_t kq, const float* xs,
@@ -131,9 +142,7 @@ inline void int8_tile(const uint32_t* u, int64_t ldu, const int8_t* w, int64_t k
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t f = f0 + j * kI8Block;
-    const int64_t valid = std::min<int64_t>(kI8Block, n - f);
-    const __mmask16 mask = valid == kI8Block ? static_cast<__mmask16>(0xFFFF)
-                                             : static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 mask = block_mask(f, n);
     const __m512 wsv = _mm512_loadu_ps(ws + f);
     const __m512i rsv = _mm512_loadu_si512(rs + f);
     for (int m = 0; m < M; ++m) {
@@ -160,12 +169,38 @@ inline void int8_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, cons
 
 #endif  // GS_HAVE_VNNI
 
+// The checks both GEMMs (this file's, _int4_gemm.h's) make of x before running: what = "int8 GEMM" etc.
+inline void check_gemm_input(const at::Tensor& x, int64_t k, const char* what) {
+  TORCH_CHECK(have_vnni(), what, ": built without AVX-512 VNNI (this CPU or compiler lacks it)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), what,
+              ": x must be a contiguous 2-d fp32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) == k, what, ": x has ", x.size(1), " columns, the weight ", k, " inputs");
+}
+
+// Rows per pass when a product has more rows than a register tile holds: equal chunks of at most max_rows,
+// each tile multiplying every chunk in turn, so its weights are re-read from cache, not from memory.
+inline int64_t chunk_rows(int64_t rows, int64_t max_rows) {
+  const int64_t chunks = (rows + max_rows - 1) / max_rows;
+  return (rows + chunks - 1) / chunks;
+}
+
+// fn(b0, tb, r, chunk) for every tile of the output (tb blocks from block b0; tiles split over torch's
+// threads) and, within a tile, every chunk of rows r .. r + chunk - 1 in turn.
+template <typename F>
+inline void for_tiles_and_chunks(int64_t nb, int64_t tile_blocks, int64_t rows, int64_t step, const F& fn) {
+  const int64_t tiles = (nb + tile_blocks - 1) / tile_blocks;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = t * tile_blocks;
+      const int tb = static_cast<int>(std::min(tile_blocks, nb - b0));
+      for (int64_t r = 0; r < rows; r += step) fn(b0, tb, r, static_cast<int>(std::min(step, rows - r)));
+    }
+  });
+}
+
 // y [rows, N] fp32 = x [rows, K] fp32 (contiguous) times the packed weight, as described above.
 inline at::Tensor int8_linear(const at::Tensor& x, const Int8Matrix& w) {
-  TORCH_CHECK(have_vnni(), "int8 GEMM: built without AVX-512 VNNI (this CPU or compiler lacks it)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "int8 GEMM: x must be a contiguous 2-d fp32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(x.size(1) == w.k, "int8 GEMM: x has ", x.size(1), " columns, the weight ", w.k, " inputs");
+  check_gemm_input(x, w.k, "int8 GEMM");
   const int64_t rows = x.size(0), n = w.n, kq = w.groups(), nb = w.blocks();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
@@ -176,26 +211,16 @@ inline at::Tensor int8_linear(const at::Tensor& x, const Int8Matrix& w) {
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < rows; ++m)
     quantize_row(xp + m * w.k, w.k, kq * 4, reinterpret_cast<uint8_t*>(u.data() + m * kq), &xs[m], &xz[m]);
-  // More than 6 rows (a prefill) go in equal chunks, each tile multiplying every chunk in turn, so a tile's
-  // weights (64 outputs x K, at most 570 KB for K = 8960) are re-read from cache, not from memory.
-  const int64_t chunks = (rows + kI8MaxRows - 1) / kI8MaxRows;
-  const int64_t step = (rows + chunks - 1) / chunks;
+  // More than 6 rows (a prefill) go in equal chunks: a tile's weights (64 outputs x K, at most 570 KB for
+  // K = 8960) stay in cache meanwhile.
+  const int64_t step = chunk_rows(rows, kI8MaxRows);
   const int8_t* wd = w.data.data_ptr<int8_t>();
   const float* ws = w.scales.data_ptr<float>();
   const int32_t* rs = w.rowsums.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (nb + kI8TileBlocks - 1) / kI8TileBlocks;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b0 = t * kI8TileBlocks;
-      const int tb = static_cast<int>(std::min(kI8TileBlocks, nb - b0));
-      const int8_t* wt = wd + b0 * kI8Block * kq * 4;
-      for (int64_t r = 0; r < rows; r += step) {
-        const int chunk = static_cast<int>(std::min(step, rows - r));
-        int8_tile_any(chunk, tb, u.data() + r * kq, kq, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yp + r * n,
-                      n, b0 * kI8Block, n);
-      }
-    }
+  for_tiles_and_chunks(nb, kI8TileBlocks, rows, step, [&](int64_t b0, int tb, int64_t r, int chunk) {
+    int8_tile_any(chunk, tb, u.data() + r * kq, kq, wd + b0 * kI8Block * kq * 4, kq, xs.data() + r, xz.data() + r,
+                  ws, rs, yp + r * n, n, b0 * kI8Block, n);
   });
 #endif
   return y;

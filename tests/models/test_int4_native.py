@@ -15,6 +15,7 @@ from graphspec.models import int8_native, load_model
 from graphspec.models.transformer import check_quantize
 from tests.checkpoints import make_checkpoint
 from tests.models._chunks import chunked_steps
+from tests.models._gemm_contract import check_gemm_contract
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
                                 and "x86" not in torch.backends.quantized.supported_engines,
@@ -97,19 +98,7 @@ def test_int4_gemm_is_its_rounding_done_in_torch(n, k, vnni):
     int8_y = x.double() @ (ints.double() * scales.double()[:, None]).T
     rel = ((ref - int8_y).norm() / int8_y.norm()).item()
     assert (0.002 if k > 8 else 0) <= rel < 0.25, rel
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = gemm.forward(x)
-        torch.set_num_threads(1)
-        assert torch.equal(gemm.forward(x), two)  # nor on the thread count
-    finally:
-        torch.set_num_threads(threads)
-    assert gemm.forward(x[:0]).shape == (0, n)
-    with pytest.raises(RuntimeError, match="int4 GEMM: x has"):
-        gemm.forward(torch.zeros(1, k + 1))
-    with pytest.raises(RuntimeError, match="fp32"):
-        gemm.forward(torch.zeros(1, k, dtype=torch.float64))
+    check_gemm_contract(gemm, x, n, columns_error="int4 GEMM: x has")
 
 
 def test_weights_on_a_4_bit_grid_come_back_exactly(vnni):

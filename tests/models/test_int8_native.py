@@ -19,6 +19,7 @@ import torch
 from graphspec.models import int8_native, load_model
 from tests.checkpoints import make_checkpoint
 from tests.models._chunks import chunked_steps
+from tests.models._gemm_contract import check_gemm_contract
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
                                 and "x86" not in torch.backends.quantized.supported_engines,
@@ -188,19 +189,7 @@ def test_vnni_gemm_is_its_quantization_done_in_torch(n, k, vnni):
         if rows > 1:  # a row's bits do not depend on the rows beside it
             assert torch.equal(y[rows - 1], gemm.forward(x[rows - 1:rows])[0])
     assert (ref - x @ (ints.float() * scales.float()[:, None]).T).abs().max() < 0.05 * ref.abs().max()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = gemm.forward(x)
-        torch.set_num_threads(1)
-        assert torch.equal(gemm.forward(x), two)  # nor on the thread count
-    finally:
-        torch.set_num_threads(threads)
-    assert gemm.forward(x[:0]).shape == (0, n)
-    with pytest.raises(RuntimeError, match="columns"):
-        gemm.forward(torch.zeros(1, k + 1))
-    with pytest.raises(RuntimeError, match="fp32"):
-        gemm.forward(torch.zeros(1, k, dtype=torch.float64))
+    check_gemm_contract(gemm, x, n, columns_error="columns")
 
 
 def test_set_gemm_refuses_unknown_names(model, vnni):
