@@ -10,8 +10,8 @@
 //
 // Weights (pack_int4): made from the int8 weight (symmetric, one scale s_r per output row) by rounding each
 // group of 64 inputs of a row again: m = max |q8| over the group, the group's scale s_r * m / 7, q4 =
-// round(q8 * 7 / m) (halves away from zero, in integers) in [-7, 7] (so a group whose int8 values already fit in 4 bits keeps them exactly). Stored
-// as w' = q4 + 8 in [0, 15], two to a byte. Layout: tiles of up to 2 blocks of 16 outputs; a tile of nb blocks
+// round(q8 * 7 / m) (halves away from zero, in integers) in [-7, 7], exact where a group's int8 values are
+// already multiples of m / 7. Stored as w' = q4 + 8 in [0, 15], two to a byte. Layout: tiles of up to 2 blocks of 16 outputs; a tile of nb blocks
 // holds, for each group g, for each pair p (0..7) of 4-input groups, for each block, 64 bytes: byte o * 4 + i
 // has input g * 64 + 8p + i of output o in its low nibble and input g * 64 + 8p + 4 + i in its high nibble.
 // Scales beside it, in the same tile order ([groups, nb * 16] a tile).

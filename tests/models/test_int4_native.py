@@ -15,7 +15,7 @@ from graphspec.models import int8_native, load_model
 from graphspec.models.transformer import check_quantize
 from tests.checkpoints import make_checkpoint
 from tests.models._chunks import chunked_steps
-from tests.models._gemm_contract import check_gemm_contract
+from tests.models._int_gemm import check_gemm_contract, round_activations, vnni  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
                                 and "x86" not in torch.backends.quantized.supported_engines,
@@ -23,14 +23,6 @@ pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.support
 
 GROUP = 64
 INT4_ROWS = 3  # int8_native.cpp kInt4Rows: larger products run on the int8 GEMM
-
-
-@pytest.fixture(scope="module")
-def vnni():
-    if not int8_native.available():
-        pytest.fail("the C++ int8 forward did not build here; CI and this machine have g++ and ninja")
-    if not int8_native.have_vnni():
-        pytest.skip("graphspec's int4 GEMM needs AVX-512 VNNI")
 
 
 def int4_weight(q8: torch.Tensor, row_scales: torch.Tensor):
@@ -46,19 +38,10 @@ def int4_weight(q8: torch.Tensor, row_scales: torch.Tensor):
     return q4.view(n, -1)[:, :k], row_scales.float()[:, None] * m.float() / 7
 
 
-def activations(x: torch.Tensor):
-    """The int8 GEMM's rounding of each row of x: (u - z) as int64 and the row scales."""
-    lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
-    s = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
-    inv = 1 / s
-    z = torch.round(-lo * inv)
-    u = (torch.round(x * inv[:, None]) + z[:, None]).clamp(0, 255)
-    return (u - z[:, None]).to(torch.int64), s
-
-
 def reference(x, q4, gscales):
     """y = s_x * sum_g s_g * (exact integer sum over the group), in float64."""
-    d, s = activations(x)
+    u, z, s = round_activations(x)
+    d = u - z.to(torch.int64)[:, None]
     n, k = q4.shape
     out = torch.zeros(x.shape[0], n, dtype=torch.float64)
     for g in range(gscales.shape[1]):

@@ -19,7 +19,7 @@ import torch
 from graphspec.models import int8_native, load_model
 from tests.checkpoints import make_checkpoint
 from tests.models._chunks import chunked_steps
-from tests.models._gemm_contract import check_gemm_contract
+from tests.models._int_gemm import check_gemm_contract, round_activations, vnni  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
                                 and "x86" not in torch.backends.quantized.supported_engines,
@@ -61,15 +61,6 @@ def model(request, tmp_path_factory):
 
 
 CHUNKS = (7, 1, 2, 1, 3, 1, 5)  # a prefill, then one-token proposals and multi-token catch-ups
-
-
-@pytest.fixture
-def vnni():
-    """Skips where graphspec's int8 GEMM is not built (no AVX-512 VNNI); the model fixture fails without C++."""
-    if not int8_native.available():
-        pytest.fail("the C++ int8 forward did not build here; CI and this machine have g++ and ninja")
-    if not torch.ops.graphspec_int8_native.have_vnni():
-        pytest.skip("graphspec's int8 GEMM needs AVX-512 VNNI")
 
 
 def _run(model, native, ids, positions=None, head=None, logits_for="all", gemm="fbgemm"):
@@ -159,11 +150,7 @@ def test_vnni_forward_is_as_close_to_fp32_maths_as_fbgemm(model, vnni):
 def _quantized_reference(x, q, scales):
     """kernels/_int8_gemm.h's maths in torch: each row of x to u8 with a zero point over [min(x, 0),
     max(x, 0)] in 255 steps (fp32 as the C++ computes it), exact integer sums, then the two scales."""
-    lo, hi = x.amin(1).clamp_max(0), x.amax(1).clamp_min(0)
-    s = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
-    inv = 1 / s
-    z = torch.round(-lo * inv)
-    u = (torch.round(x * inv[:, None]) + z[:, None]).clamp(0, 255).to(torch.int64)
+    u, z, s = round_activations(x)
     acc = u @ q.to(torch.int64).T - z.to(torch.int64)[:, None] * q.to(torch.int64).sum(1)[None, :]
     return acc.float() * scales.float()[None, :] * s[:, None]
 
