@@ -183,7 +183,12 @@ def _dtype(name: str, device):
 
 
 def _cpu_has_bf16() -> bool:
-    """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX), where oneDNN runs bf16 at memory speed."""
+    """True when bf16 weights run at about memory speed here: the CPU backend's level has a bf16 linear (avx512,
+    avx2: graphspec.kernels.cpu), or the CPU has native bf16 dot products (AMX) for oneDNN."""
+    from graphspec.kernels import cpu
+
+    if cpu.bf16_linear():
+        return True
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             flags = f.read()
@@ -193,7 +198,8 @@ def _cpu_has_bf16() -> bool:
 
 
 def auto_dtype(device):
-    """bf16 on CUDA and on CPUs with native bf16; fp32 elsewhere (emulated bf16 would be slower than fp32)."""
+    """bf16 on CUDA and on CPUs where bf16 weights run at memory speed (graphspec's bf16 linear at the avx512 and
+    avx2 levels, or native bf16); fp32 elsewhere (emulated bf16 would be slower than fp32)."""
     import torch
 
     if device.type == "cuda" or (device.type == "cpu" and _cpu_has_bf16()):

@@ -105,7 +105,7 @@ def _plan(T: int, tree: Optional[bytes]) -> RowPlan:
 def scripted_rows():
     """:func:`_rows` compiled by TorchScript (once per process)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # as in graphspec.models.lean_int8
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.script; torch is pinned
         return torch.jit.script(_rows)
 
 

@@ -26,8 +26,8 @@
 - Torch path: ``attention_ref`` (the oracle, and the CPU path of prefills) is fp32 math through
   ``scaled_dot_product_attention`` with an explicit boolean causal mask at offset ``L - T``;
   GQA by folding the query heads of a group into the query axis, so k/v are never repeated.
-  Decode steps and verify-sized blocks on the CPU run in C++ (``graphspec.kernels.cpu_native``,
-  kernels/attention_cpu.cpp: each row over exactly its keys by one loop), or, without it, each verify
+  Decode steps and verify-sized blocks on the CPU run in C++ (``graphspec.kernels.cpu``,
+  kernels/cpu/attention.cpp: each row over exactly its keys by one loop), or, without it, each verify
   row as that one-row SDPA call, all rows in one TorchScript call (``graphspec.kernels._attention_cpu``):
   either way every row bit-identical to the one-token step at its position.
 """
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graphspec.kernels import _attention_cpu, cpu_native
+from graphspec.kernels import _attention_cpu, cpu
 from graphspec.kernels._dispatch import EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, rows_exact, use_triton
 
 __all__ = ["attention", "attention_ref", "ancestor_mask", "check_tree", "tree_mask"]
@@ -196,15 +196,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if T <= _EXACT_MAX_T and rows_exact():
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16 greedy
         # speculative output drifts from autoregressive.
-        if q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES and cpu_native.available():
-            # Decode steps and verify blocks in C++ (graphspec.kernels.cpu_native): each row over exactly the keys
+        if q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES and cpu.available():
+            # Decode steps and verify blocks in C++ (graphspec.kernels.cpu): each row over exactly the keys
             # it sees (the cache, then its path through the new ones) by one loop whatever the other rows, so a
             # verify row is bit-identical to the one-token step at its position, without a call per row.
             scale = _validate(q, k, v, scale, tree)
             if k.stride(-1) != 1 or k.stride() != v.stride():  # the kernel walks k and v with one key stride
                 k, v = k.contiguous(), v.contiguous()
             p = _attention_cpu.plan(tree, T)
-            return cpu_native.ops().attend(q.contiguous(), k, v, scale, p.lengths, p.nodes)
+            return cpu.ops().attend(q.contiguous(), k, v, scale, p.lengths, p.nodes)
         if T > 1:
             # Without it: torch's CPU SDPA rounds a row differently depending on how many rows it is given
             # (measured: ~9% of bf16 rows), so each row of a verify runs as its own one-row call over exactly
@@ -217,7 +217,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 # Verify-sized blocks (K + 1 rows, a draft tree; up to EXACT_ROWS_MAX) take the row-by-row CPU path above;
 # longer blocks, and any inside batched_rows() (prefills), keep one batched call.
 _EXACT_MAX_T = EXACT_ROWS_MAX
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what kernels/attention_cpu.cpp reads
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what kernels/cpu/attention.cpp reads
 
 
 # ----------------------------------------------------------------------------- Triton kernels

@@ -25,13 +25,14 @@
   as that many, and products of up to ``INVARIANT_MAX_ROWS`` rows run in blocks of the row counts
   measured to round each row as one row does: so a row comes out bit-identical inside a verify and
   alone (see both), and a prefill inside ``batched_rows()`` runs in one product.
-- bf16 weights on a CPU with AVX-512 BF16 take graphspec's own C++ kernel instead of oneDNN
-  (:class:`NativeWeight`, ``graphspec.kernels.cpu_native``): on the AMD EPYC machines it reads the
-  weights at the memory bandwidth with one thread, where oneDNN's bf16 products do not, costs about the
-  same for 1..8 rows, and gives every row the bits it gets alone, whatever the row count, with no padding
-  or splitting (perf/RESULTS.md section S). ``GRAPHSPEC_CPU_NATIVE=0`` (or ``layout="onednn"``) keeps oneDNN.
+- bf16 weights on a CPU take graphspec's own C++ kernel where the CPU backend's level has one (avx512,
+  avx2: :class:`NativeWeight`, ``graphspec.kernels.cpu``): it reads the weights at about the memory
+  bandwidth with one thread, costs about the same for 1..8 rows, and gives every row the bits it gets
+  alone, whatever the row count, with no padding or splitting. ``GRAPHSPEC_CPU=generic`` or ``torch`` (or
+  ``layout="onednn"``) keeps oneDNN.
 - Draft models on a CPU may use ``quantize_weight`` instead: int8 weights (``Int8Weight``) run by
-  torch's int8 GEMM, half the bytes of bf16; approximate, so for drafts only.
+  graphspec's int8 GEMM (the CPU backend's, at every C++ level; ``int8_linear_ref`` at the torch level),
+  half the bytes of bf16; approximate, so for drafts only.
 """
 
 from __future__ import annotations
@@ -39,17 +40,17 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from graphspec.kernels import cpu_native
+from graphspec.kernels import cpu
 from graphspec.kernels._dispatch import (EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, interpreter_enabled, rows_exact,
                                         use_triton)
 
-__all__ = ["Int8Weight", "NativeWeight", "PackedWeight", "linear", "linear_ref", "prepare_weight", "quantize_weight"]
+__all__ = ["Int8Weight", "NativeWeight", "PackedWeight", "int8_linear_ref", "linear", "linear_ref", "prepare_weight",
+           "quantize_weight"]
 
 SKINNY_MAX_M = 16
 """Rows up to this count take the skinny (memory-bound) kernel; tl.dot needs 16 rows anyway."""
@@ -344,11 +345,13 @@ class PackedWeight:
 
 
 class NativeWeight:
-    """A bf16 ``[N, K]`` weight in the blocked layout of graphspec's C++ CPU kernel (``kernels/linear_cpu.cpp``).
+    """A bf16 ``[N, K]`` weight in the blocked layout of graphspec's C++ CPU kernel (``kernels/cpu/linear.cpp``).
 
-    Made by :func:`prepare_weight` on CPUs with AVX-512 BF16; ``linear`` accepts it wherever it accepts a weight.
-    ``packed`` is ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 (zero padded); the original tensor is not kept;
-    ``dense()`` rebuilds it (a copy).
+    Made by :func:`prepare_weight` where the CPU backend's level has a bf16 linear (avx512, avx2); ``linear``
+    accepts it wherever it accepts a weight, and runs it at the level in force (at a level without that kernel,
+    which only a later ``use_level`` can cause, as ``F.linear`` on ``dense()``). ``packed`` is
+    ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 (zero padded), the same at every level; the original tensor is not
+    kept; ``dense()`` rebuilds it (a copy).
     """
 
     __slots__ = ("packed", "shape", "dtype", "device")
@@ -363,8 +366,20 @@ class NativeWeight:
     def ndim(self) -> int:
         return 2
 
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` -> ``[ceil(N/16), ceil(K/2), 16, 2]``: for each block of 16 outputs and pair of inputs, the
+        16 outputs' two weights side by side."""
+        n, k = weight.shape
+        nb, kp = -(-n // 16), -(-k // 2)
+        padded = weight.new_zeros((nb * 16, kp * 2))
+        padded[:n, :k] = weight
+        return padded.view(nb, 16, kp, 2).permute(0, 2, 1, 3).contiguous()
+
     def dense(self) -> torch.Tensor:
-        return cpu_native.ops().unpack(self.packed, self.shape[0], self.shape[1])
+        nb, kp = self.packed.shape[:2]
+        full = self.packed.permute(0, 2, 1, 3).reshape(nb * 16, kp * 2)
+        return full[:self.shape[0], :self.shape[1]].contiguous()
 
     def __repr__(self) -> str:
         return f"NativeWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -396,8 +411,8 @@ LAYOUTS = ("auto", "native", "onednn")
 def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None, layout: str = "auto"):
     """The layout ``linear`` runs fastest with on ``weight``'s device; call once, at load time.
 
-    CPU, torch path: bf16 weights become a :class:`NativeWeight` where graphspec's C++ kernel runs (AVX-512
-    BF16, a C++ compiler; ``graphspec.kernels.cpu_native``), else, like fp32 weights, a :class:`PackedWeight`
+    CPU, torch path: bf16 weights become a :class:`NativeWeight` where graphspec's C++ kernel runs (the CPU
+    backend's avx512 or avx2 level; ``graphspec.kernels.cpu``), else, like fp32 weights, a :class:`PackedWeight`
     (oneDNN available; bf16 only with hardware bf16). Everywhere else (CUDA, the Triton backend, fp16 on CPU):
     ``weight`` itself, unchanged. ``layout`` ("auto", "native", "onednn") picks one of the two CPU layouts;
     "native" is an error where that kernel cannot run. ``rows_hint`` (oneDNN only) is the number of rows ``x``
@@ -415,13 +430,11 @@ def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None, layout: s
                              f"{'empty' if weight.numel() == 0 else 'for the Triton backend or not on the CPU'}")
         return weight
     if layout == "native" or (layout == "auto" and weight.dtype == torch.bfloat16):
-        if weight.dtype == torch.bfloat16 and cpu_native.bf16_linear():
-            return NativeWeight(cpu_native.ops().pack(weight), weight.shape)
+        if weight.dtype == torch.bfloat16 and cpu.bf16_linear():
+            return NativeWeight(NativeWeight.pack(weight), weight.shape)
         if layout == "native":
-            raise ValueError(f"layout='native' needs a bf16 weight (got {weight.dtype}) on a CPU where "
-                             f"graphspec.kernels.cpu_native runs its bf16 linear (bf16_linear() is "
-                             f"{cpu_native.bf16_linear()}: AVX-512 BF16 and a C++ compiler); use layout='auto' or "
-                             "'onednn'")
+            raise ValueError(f"layout='native' needs a bf16 weight (got {weight.dtype}) at a CPU level with a bf16 "
+                             f"linear (avx512 or avx2; this one is {cpu.level()}); use layout='auto' or 'onednn'")
     if not _can_pack(weight):
         return weight
     if rows_hint is None:
@@ -432,7 +445,9 @@ def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None, layout: s
 
 def _linear_native(x: torch.Tensor, weight: NativeWeight, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
-    y = cpu_native.ops().linear(x.reshape(-1, k), weight.packed, n, bias)
+    if not cpu.bf16_linear():  # the level changed since the weight was prepared
+        return torch.nn.functional.linear(x, weight.dense(), bias)
+    y = cpu.ops().linear(x.reshape(-1, k), weight.packed, n, bias)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -515,65 +530,95 @@ def _consistent_rows(weight: PackedWeight) -> int:
 class Int8Weight:
     """A ``[N, K]`` weight rounded to int8 per output row, for a *draft* model on the CPU.
 
-    Made by :func:`quantize_weight`. ``linear`` then quantizes ``x`` to 8 bits per call (one scale
-    per call, from its range) and runs torch's int8 GEMM (``quantized.linear_dynamic``, fbgemm /
-    x86 engine), accumulating in int32: a quarter of an fp32 weight's bytes and half of bf16's.
-    The result is approximate (about 1% relative error per product), which is fine for a draft
-    (speculative decoding stays lossless whatever the draft computes) and wrong for a target:
-    ``Pipeline`` never quantizes a target. ``dense()`` gives the dequantized fp32 values. A draft's
-    cached C++ forward (graphspec.models.int8_native) repacks these weights for graphspec's own int8
-    GEMM on CPUs with AVX-512 VNNI (kernels/_int8_gemm.h).
+    Made by :func:`quantize_weight`: ``q`` int8 ``[N, K]``, ``scales`` fp32 ``[N]`` (w ~ q * scale, symmetric),
+    ``rowsums`` int32 ``[N]``. ``linear`` then rounds each row of ``x`` to 8 bits on its own and multiplies in
+    int32 (graphspec's int8 GEMM at the CPU level in force, ``kernels/cpu/int8_gemm.h``; at the torch level
+    :func:`int8_linear_ref`, the same numbers): half the bytes of bf16. The result is approximate (about 1%
+    relative error per product), which is fine for a draft (speculative decoding stays lossless whatever the
+    draft computes) and wrong for a target: ``Pipeline`` never quantizes a target. ``native(level)`` is the
+    weight packed for that level's C++ (made once, shared with the draft's C++ forward); ``dense()`` gives the
+    dequantized fp32 values.
     """
 
-    __slots__ = ("packed", "shape", "dtype", "device")
+    __slots__ = ("q", "scales", "rowsums", "shape", "dtype", "device", "_native")
 
-    def __init__(self, packed, shape: torch.Size, dtype: torch.dtype):
-        self.packed = packed  # fbgemm's packed int8 weight
-        self.shape = torch.Size(shape)
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        self.q = q
+        self.scales = scales
+        self.rowsums = q.sum(1, dtype=torch.int32)
+        self.shape = torch.Size(q.shape)
         self.dtype = dtype  # the activations' dtype: linear takes and returns it
         self.device = torch.device("cpu")
+        self._native: dict[str, object] = {}
 
     @property
     def ndim(self) -> int:
         return 2
 
+    def native(self, level: str | None = None):
+        """This weight as level ``level``'s ``Int8Linear`` (default: the level in force; packed on first use)."""
+        level = cpu.level() if level is None else level
+        obj = self._native.get(level)
+        if obj is None:
+            obj = self._native[level] = cpu.classes(level).Int8Linear(self.q, self.scales)
+        return obj
+
     def dense(self) -> torch.Tensor:
-        return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
+        return self.q.float() * self.scales[:, None]
 
     def __repr__(self) -> str:
         return f"Int8Weight(shape={tuple(self.shape)}, activations={self.dtype})"
 
 
 def quantize_weight(weight: torch.Tensor) -> Int8Weight:
-    """Symmetric per-row int8 rounding of a CPU ``[N, K]`` weight (scale = max |row| / 127).
+    """Symmetric per-row int8 rounding of a CPU ``[N, K]`` weight: scale = max |row| / 127, q = round(w / scale).
 
-    For draft models only (see :class:`Int8Weight`). Errors, rather than falling back, where
-    torch has no int8 CPU GEMM or the weight is not on the CPU.
+    For draft models only (see :class:`Int8Weight`). Errors, rather than falling back, where the weight is not
+    on the CPU.
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     if weight.device.type != "cpu":
         raise ValueError(f"int8 weights are a CPU path, but the weight is on {weight.device}; "
                          "load the draft without quantize on a GPU")
-    engines = torch.backends.quantized.supported_engines
-    if not {"x86", "fbgemm"} & set(engines) or not hasattr(torch.ops.quantized, "linear_dynamic"):
-        raise ValueError(f"this torch build has no int8 CPU GEMM (quantized engines: {engines}); "
-                         "load the draft without quantize")
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    with warnings.catch_warnings():
-        # torch 2.13 marks its quantized tensor constructors as deprecated (pytorch#184982); they are
-        # the only entry to its int8 GEMM, and torch is pinned, so the warning is not the user's.
-        warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.int64), 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(q, None)
-    return Int8Weight(packed, weight.shape, weight.dtype)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale.contiguous(), weight.dtype)
+
+
+def round_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of fp32 ``x [M, K]`` to u8 with a zero point, as the C++ GEMMs do (``int8_gemm.h`` quantize_row):
+    x ~ s * (u - z) over [min(x, 0), max(x, 0)] in 255 steps. Returns u (fp32 holding integers), s, z ``[M, 1]``."""
+    lo = x.amin(dim=1, keepdim=True).clamp(max=0.0)
+    hi = x.amax(dim=1, keepdim=True).clamp(min=0.0)
+    s = torch.where(hi > lo, (hi - lo) / 255.0, torch.ones_like(hi))
+    inv = 1.0 / s
+    z = torch.round(-lo * inv)
+    u = (torch.round(x * inv) + z).clamp_(0.0, 255.0)
+    return u, s, z
+
+
+def int8_linear_ref(x: torch.Tensor, weight: Int8Weight, exact: bool = True) -> torch.Tensor:
+    """``x [M, K]`` fp32 times an :class:`Int8Weight` as graphspec's int8 GEMM computes it: rows rounded by
+    :func:`round_rows_u8`, the integer sums exact (``exact``: in float64; else in fp32, close but not the C++
+    bits, and cheaper), then ``(float(sum - z * rowsum) * scale_n) * s_m`` in fp32. The torch level's int8 path
+    and the tests' oracle."""
+    u, s, z = round_rows_u8(x.float())
+    if exact:
+        acc = (u.double() @ weight.q.double().t() - z.double() * weight.rowsums.double()).float()
+    else:
+        acc = (u - z) @ weight.q.float().t()
+    return (acc * weight.scales) * s
 
 
 def _linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x.reshape(-1, weight.shape[1]).float()
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
-    y = torch.ops.quantized.linear_dynamic(x2, weight.packed, False)
+    if cpu.available():
+        y = weight.native().forward(x2.contiguous())
+    else:
+        y = int8_linear_ref(x2, weight, exact=False)
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -187,7 +187,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [..., D]`` by :func:`rope_tables`' ``cos, signed_sin`` (torch, no checks), in x's dtype.
 
-    The torch path of :func:`rope` for one tensor (``graphspec.models.lean_int8`` writes the same
+    The torch path of :func:`rope` for one tensor (``graphspec.kernels.cpu.int8_draft`` writes the same
     two lines for q and k together).
     """
     # x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1) written as

@@ -18,19 +18,17 @@
 - Only the rows asked for (``logits_for``) go through the final norm and the lm_head: a
   prefill needs one row, a draft step one row, a verify K+1 rows. Logits come back in fp32.
 - ``quantize="int8"`` (draft models on a CPU): every GEMM weight and the lm_head is rounded to
-  int8 per output row and run by torch's int8 GEMM (``kernels.linear.quantize_weight``); a
+  int8 per output row and run by graphspec's int8 GEMM (``kernels.linear.quantize_weight``); a
   bandwidth-bound draft step reads half the bytes of bf16. Approximate, so never for a target.
   That GEMM takes and returns fp32, so an int8 model computes in fp32 between its GEMMs (norms,
   biases, KV cache; ``dtype`` is fp32) and no casts sit between ops. Its cached forwards (a draft
-  runs one per proposed token) take ``_forward_int8``: the same math in about 15 torch ops a layer
-  instead of about 80, run by TorchScript (``graphspec.models.lean_int8``) rather than the Python
-  interpreter (SmolLM2-135M step 22 -> 16 -> 11.5 ms on one core), and with batch 1 and no tree
-  mask as C++ loops around the same GEMMs (``graphspec.models.int8_native``; 15.3 -> 10.4 ms in
-  a later measurement), because at these sizes the per-op cost is a large part of a draft step.
+  runs one per proposed token) take ``_forward_int8``: C++ loops around the same GEMMs
+  (``graphspec.kernels.cpu.int8_draft``) at every C++ level of the CPU backend, because at these
+  sizes the per-op cost is a large part of a draft step; at the torch level, the general forward.
 - ``quantize="int4"``: an int8 model whose C++ forward runs the layers' products of up to 3 rows
-  with those int8 weights rounded again to 4 bits, one scale per 64 inputs (kernels/_int4_gemm.h:
-  0.56 bytes a weight); prefills, the lm_head, draft-beam levels and batches stay int8. It needs
-  that forward and AVX-512 VNNI, and says so at load where they are missing (no silent int8).
+  with those int8 weights rounded again to 4 bits, one scale per 64 inputs (kernels/cpu/int4_gemm.h:
+  0.56 bytes a weight); prefills and the lm_head stay int8. It needs the CPU backend's avx512 level
+  (VNNI), and says so at load where it is missing (no silent int8).
 - Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
   Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
 - A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
@@ -44,16 +42,16 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from graphspec.kernels import cpu
 from graphspec.kernels._dispatch import use_backend
-from graphspec.kernels.attention import attention, causal_mask, check_tree, tree_mask
+from graphspec.kernels.attention import attention, check_tree, tree_mask
+from graphspec.kernels.cpu import int8_draft
 from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.rmsnorm import rmsnorm
 from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
 from graphspec.kernels.silu_mul import silu_mul
 from graphspec.models.config import ModelConfig
 from graphspec.models.kv_cache import KVCache
-from graphspec.models import int8_native
-from graphspec.models.lean_int8 import Int8Layers, scripted_forward
 
 
 @dataclasses.dataclass
@@ -78,14 +76,9 @@ def check_quantize(quantize, backend, device) -> None:
     if quantize and (backend == "triton" or torch.device(device).type != "cpu"):
         raise ValueError(f"quantize={quantize!r} runs graphspec's and torch's int8 CPU GEMMs; it cannot run on "
                          f"{device} with backend={backend!r}: load this model without quantize")
-    if quantize == "int4":
-        if not int8_native.available():
-            raise ValueError(f"quantize='int4' runs in the C++ int8 draft forward, which is not available here "
-                             f"({int8_native.ENV}={int8_native.mode()}; it needs a C++ compiler): "
-                             "use quantize='int8'")
-        if not int8_native.have_vnni():
-            raise ValueError("quantize='int4' needs AVX-512 VNNI, which this CPU (or the compiler's "
-                             "-march=native) lacks: use quantize='int8'")
+    if quantize == "int4" and not cpu.have_vnni():
+        raise ValueError(f"quantize='int4' runs graphspec's int4 GEMM, which needs the CPU backend's avx512 level "
+                         f"(AVX-512 VNNI), but the level here is {cpu.level()} ({cpu.ENV}): use quantize='int8'")
 
 
 class Transformer:
@@ -257,7 +250,7 @@ class Transformer:
     def _forward(self, ids, positions, cache, logits_for, head=None, tree=None) -> torch.Tensor:
         c = self.config
         rows = self._rows(logits_for, ids.shape[1])
-        if self.quantize and self.lean_int8_forward and cache is not None:
+        if self.quantize and self.lean_int8_forward and cache is not None and cpu.available():
             with torch.no_grad():
                 return self._forward_int8(ids, positions, cache, rows, head, tree)
         with use_backend(self.backend), torch.no_grad():
@@ -291,40 +284,24 @@ class Transformer:
         o = attention(q, k, v, self.scale, tree=tree)  # [B, T, Hq, D]
         return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
 
-    # int8 models run cached forwards through _forward_int8 (False: the general forward, for comparisons).
+    # int8 models run cached forwards through _forward_int8 where the CPU backend has a C++ level (False: the
+    # general forward, for comparisons).
     lean_int8_forward = True
-    # ... and there, batch-1 forwards without a tree in C++ where it builds (False: TorchScript only).
-    native_int8_forward = True
 
     def _forward_int8(self, ids, positions, cache, rows, head, tree=None) -> torch.Tensor:
-        """A cached forward of an int8 model: ``_forward``'s math in C++ or as one TorchScript call.
-
-        Batch 1 without a tree mask runs in C++ (``graphspec.models.int8_native``: loops in place
-        around the same int8 GEMMs) where it builds and ``native_int8_forward`` is set; the rest as
-        follows. Everything is fp32 and the GEMMs call the int8 op directly, so no op casts, checks shapes
-        or picks a backend; rope rotates q and k in one call, and attention is one SDPA call over the
-        cache (masked when T > 1). The layers run in ``graphspec.models.lean_int8`` (TorchScript:
-        the same ops without the Python interpreter between them). Logits ``[B, n, V]`` fp32;
-        tested against ``_forward``.
-        """
-        c = self.config
+        """A cached forward of an int8 model in C++ (``graphspec.kernels.cpu.int8_draft``): ``_forward``'s math
+        as loops in place around the same int8 GEMMs, at the CPU level in force; any batch, causal or through a
+        draft tree's mask. Logits ``[B, n, V]`` fp32; tested against ``_forward``."""
         t = ids.shape[1]
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
-        packed_head = (self.lm_head if head is None else head).packed
-        h = F.embedding(ids, self.embed).float()  # [B, T, H]
-        if (self.native_int8_forward and tree is None and ids.shape[0] == 1 and cos.shape[-1] == c.head_dim
-                and int8_native.available()):
-            return int8_native.draft_for(self).forward(h, cos, sin, cache.length, cache.k, cache.v, packed_head, rows)
-        w = Int8Layers(self.layers, self.norm)  # made per call (tens of microseconds), so never stale
+        mask = None
         if tree is not None:  # the attention op's tree, checked by it: new tokens see their ancestors
             check_tree(tree, t, cache.length + t, ids.device)
             mask = tree_mask(tree, cache.length + t)
-        else:
-            mask = causal_mask(t, cache.length + t) if t > 1 else None  # a single query sees every cached key
-        return scripted_forward()(
-            h, cos, sin, mask, cache.length, cache.k, cache.v, w.wqkv, w.bqkv, w.wo, w.bo, w.w13, w.w2,
-            w.input_norm, w.post_norm, w.norm, packed_head, rows,
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, self.scale)
+        head_w = (self.lm_head if head is None else head).native()
+        h = F.embedding(ids, self.embed).float()  # [B, T, H]
+        return int8_draft.draft_for(self).forward(h, cos.contiguous(), sin.contiguous(), cache.length, cache.k,
+                                                  cache.v, head_w, rows, mask)
 
     def _mlp(self, layer: Layer, x) -> torch.Tensor:
         gate, up = linear(x, layer.w13).chunk(2, dim=-1)

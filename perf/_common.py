@@ -54,14 +54,15 @@ def machine_info() -> dict:
         info["amx_bf16"] = " amx_bf16" in flags
     except OSError:
         pass
-    from graphspec.models import int8_native
 
-    # whether int8 drafts ran their C++ forward (graphspec.models.int8_native) or TorchScript
-    info["int8_native"] = int8_native.available()  # False where GRAPHSPEC_INT8_NATIVE=0
-    from graphspec.kernels import cpu_native
+    from graphspec.kernels import cpu
 
-    # whether bf16 weights ran graphspec's C++ linear (kernels/linear_cpu.cpp) or oneDNN
-    info["bf16_native"] = cpu_native.bf16_linear()  # False where GRAPHSPEC_CPU_NATIVE=0 or no AVX-512 BF16
+    # the CPU backend's level (graphspec.kernels.cpu): which C++ kernels ran
+    info["cpu_level"] = cpu.level()
+    info["int8_native"] = cpu.available()  # int8 drafts ran their C++ forward
+
+    # whether bf16 weights ran graphspec's C++ linear (kernels/cpu/linear.cpp) or oneDNN
+    info["bf16_native"] = cpu.bf16_linear()
     try:
         import transformers
 

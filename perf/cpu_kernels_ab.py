@@ -38,18 +38,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = output_path(args.out)
 
-    from graphspec.kernels import cpu_native
+    from graphspec.kernels import cpu
     from graphspec.kernels.linear import NativeWeight, prepare_weight
     from graphspec.models import load_model
 
-    if not cpu_native.bf16_linear():
+    if not cpu.bf16_linear():
         raise SystemExit(f"graphspec's C++ bf16 linear does not run here (AVX-512 BF16 and a C++ compiler needed; "
-                         f"{cpu_native.ENV}={cpu_native.mode()}): nothing to compare")
+                         f"{cpu.ENV}: level {cpu.level()}): nothing to compare")
     model = load_model(args.model, dtype=torch.bfloat16)
     native = {(i, n): getattr(layer, n) for i, layer in enumerate(model.layers) for n in NAMES}
     native["head"] = model.lm_head
     if not all(isinstance(w, NativeWeight) for w in native.values()):
-        raise SystemExit("the model's weights are not in graphspec's blocked layout; is GRAPHSPEC_CPU_NATIVE=0 set?")
+        raise SystemExit("the model's weights are not in graphspec's blocked layout; is GRAPHSPEC_CPU=generic or torch set?")
     onednn = {key: prepare_weight(w.dense(), layout="onednn") for key, w in native.items()}
     nbytes = step_weight_bytes(model)
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                 setattr(layer, n, weights[(i, n)])
         model.lm_head = weights["head"]
 
-    real_available = cpu_native.available
+    real_available = cpu.available
     settings = {"native": (native, True), "native-linear": (native, False), "onednn": (onednn, False)}
     result = {"machine": machine_info(), "model": args.model, "cached": args.cached, "rows": []}
     print(f"# {result['machine'].get('cpu_model')} x{result['machine']['cpu_count']}, load "
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             for _ in range(args.reps + 1):  # the first round warms every setting up and is dropped
                 for s, (weights, attention) in settings.items():
                     use(weights)
-                    cpu_native.available = real_available if attention else (lambda: False)
+                    cpu.available = real_available if attention else (lambda name=None: False)
                     for t in args.tokens:
                         cache.truncate(args.cached)
                         t0 = time.perf_counter()
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                     cells.append(f"{s} {row['median_ms']:.1f} (min {row['min_ms']:.1f}{frac})")
                 print(f"  T={t}: " + "   ".join(cells), flush=True)
     finally:
-        cpu_native.available = real_available
+        cpu.available = real_available
         use(native)
     path = save_json(out, result)
     print(f"# wrote {path}")

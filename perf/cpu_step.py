@@ -4,7 +4,7 @@
     .venv/bin/python perf/cpu_step.py --model smollm2-135m-instruct --quantize int8 --dtypes bf16 --tokens 1 2
 
 For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default, which for
-bf16 on AVX-512 BF16 CPUs is graphspec's own kernel (kernels/linear_cpu.cpp); "onednn": oneDNN's
+bf16 at the CPU backend's avx512 and avx2 levels is graphspec's own kernel (kernels/cpu/linear.cpp); "onednn": oneDNN's
 packed layout; "plain": the same weights as plain tensors through ``F.linear``) it times ``model.step`` over
 T = 1, 2, 4, 8 new tokens after 256 cached ones and prints the median milliseconds, the ratio
 to the one-token step (the cost of a speculative verify) and the one-token step's achieved
@@ -52,11 +52,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--quantize", default="none", choices=["none", "int8"],
                     help="int8: the model as a draft runs it (kernels.linear.Int8Weight); layouts then do not apply")
-    ap.add_argument("--int8-forwards", nargs="+", default=["native", "torchscript"],
-                    choices=["native", "native-fbgemm", "native-int4", "torchscript"],
-                    help="with --quantize int8: time the C++ forward (graphspec.models.int8_native) with its own int8 "
-                         "GEMM, the C++ forward with fbgemm's GEMM (native-fbgemm), with the int4 GEMM (native-int4: "
-                         "quantize='int4'), the TorchScript one, or several, each as its own layout int8-<name>")
+    ap.add_argument("--int8-forwards", nargs="+", default=["native", "general"],
+                    choices=["native", "native-int4", "general"],
+                    help="with --quantize int8: time the C++ forward (graphspec.kernels.cpu.int8_draft) with the int8 "
+                         "GEMM, with the int4 GEMM (native-int4: quantize='int4', avx512), the general forward "
+                         "(Python, the same GEMMs), or several, each as its own layout int8-<name>")
+    ap.add_argument("--level", default="auto",
+                    help="the CPU backend's level to run (graphspec.kernels.cpu: auto, avx512, avx2, generic, torch)")
     ap.add_argument("--min-rows", type=int, nargs="+", default=None, metavar="ROWS",
                     help="also time with products of fewer rows padded to these row counts (kernels.linear.MIN_ROWS; "
                          "1 = unpadded); default: the library's setting only")
@@ -67,7 +69,11 @@ def main(argv=None) -> int:
 
     import importlib
 
-    from graphspec.models import int8_native, load_model
+    from graphspec.kernels import cpu
+    from graphspec.kernels.cpu import int8_draft
+    from graphspec.models import load_model
+
+    cpu.set_level(args.level)
 
     linear_mod = importlib.import_module("graphspec.kernels.linear")
     pads = args.min_rows or [linear_mod.MIN_ROWS]
@@ -86,13 +92,12 @@ def main(argv=None) -> int:
             if layout in ("plain", "onednn"):
                 relayout(model, layout)
             if quantize:
-                model.native_int8_forward = layout.startswith("int8-native")
-                if model.native_int8_forward:
-                    if not int8_native.available():
-                        raise SystemExit(f"the C++ int8 forward is unavailable here ({int8_native.ENV}="
-                                         f"{int8_native.mode()}); pass --int8-forwards torchscript")
-                    gemms = {"int8-native-fbgemm": "fbgemm", "int8-native-int4": "int4"}
-                    int8_native.draft_for(model).set_gemm(gemms.get(layout, int8_native.default_gemm()))
+                model.lean_int8_forward = layout.startswith("int8-native")
+                if model.lean_int8_forward:
+                    if not cpu.available():
+                        raise SystemExit(f"the C++ int8 forward is unavailable at level {cpu.level()} ({cpu.ENV}); "
+                                         "pass --int8-forwards general")
+                    int8_draft.draft_for(model).set_gemm("int4" if layout == "int8-native-int4" else "int8")
             for threads, pad in ((th, p) for th in args.threads for p in pads):
                 torch.set_num_threads(threads)
                 linear_mod.MIN_ROWS = pad

@@ -7,9 +7,9 @@ Each case builds its inputs once and offers one callable per provider:
 - ``torch``: the best plain-torch equivalent: ``F.linear`` (cuBLAS / oneDNN), SDPA, and the
   ``<op>_ref`` references for the small ops;
 - ``packed`` (CPU only): ``linear`` with ``prepare_weight`` (graphspec's CPU fast path: for bf16 on
-  AVX-512 BF16 CPUs its own C++ kernel, kernels/linear_cpu.cpp; else oneDNN's packed layout);
+  AVX-512 and AVX2 CPUs its own C++ kernel, kernels/cpu/linear.cpp; else oneDNN's packed layout);
 - ``onednn`` (CPU only, bf16 linears where ``packed`` is the C++ kernel): oneDNN's packed layout;
-- ``native`` (CPU only, attention): graphspec's C++ decode/verify attention (kernels/attention_cpu.cpp).
+- ``native`` (CPU only, attention): graphspec's C++ decode/verify attention (kernels/cpu/attention.cpp).
 
 Figures from stated formulas, per call of median time t:
 - matmul ``[M, K] x [K, N]``: TFLOP/s = 2 M N K / t; bytes = (M K + N K + M N) * element size.
@@ -101,12 +101,12 @@ def attention_case(t: int, length: int, dtype, device, b: int = 1) -> Case:
     if torch.device(device).type == "cpu":
         import importlib
 
-        from graphspec.kernels import cpu_native
+        from graphspec.kernels import cpu
 
         attention_mod = importlib.import_module("graphspec.kernels.attention")  # the package exports the function
 
         # where attention's dispatch takes the C++ rows (kernels/attention.py)
-        if t <= attention_mod._EXACT_MAX_T and dtype in attention_mod._NATIVE_DTYPES and cpu_native.available():
+        if t <= attention_mod._EXACT_MAX_T and dtype in attention_mod._NATIVE_DTYPES and cpu.available():
             providers["native"] = lambda: attention(q, k, v, scale)
     return Case(f"attention T={t} L={length}", providers, flops=flops, bytes=nbytes,
                 kind="compute" if t >= 64 else "memory")

@@ -28,3 +28,33 @@ if _TEST_DEVICE == "cuda":
 def _deterministic_seed():
     torch.manual_seed(0)
     yield
+
+
+# The CPU backend's levels (graphspec.kernels.cpu): every C++ level this CPU executes, so that a machine runs its
+# best level and every one below it (an AVX-512 machine runs the avx2 and generic builds too). A level the CPU
+# executes but that does not build fails its tests rather than skipping them: CI's machines have g++ and ninja.
+from graphspec.kernels import cpu as _cpu  # noqa: E402
+
+C_LEVELS = [lv for lv in _cpu.supported_levels() if lv != "torch"]
+BF16_LEVELS = [lv for lv in C_LEVELS if _cpu.bf16_linear(lv)]
+
+
+@pytest.fixture(params=C_LEVELS)
+def level(request):
+    """Each C++ level this CPU executes, in force for the test."""
+    with _cpu.use_level(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=BF16_LEVELS)
+def bf16_level(request):
+    """Each level with a bf16 linear (avx512, avx2) this CPU executes, in force for the test."""
+    with _cpu.use_level(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=[*C_LEVELS, "torch"])
+def any_level(request):
+    """Each C++ level this CPU executes, then the torch level (no C++), in force for the test."""
+    with _cpu.use_level(request.param):
+        yield request.param

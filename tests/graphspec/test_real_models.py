@@ -56,10 +56,11 @@ def test_greedy_speculative_equals_autoregressive_on_transformers(dirs, models):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype):
+def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype, any_level):
     """An int8 draft (kernels.linear.Int8Weight) proposes other tokens than its bf16/fp32 self, but the
     output is the target's: greedy token-exact in fp32 and, since verify rows round like one-token
-    steps, in bf16 too."""
+    steps, in bf16 too; at every level of the CPU backend this CPU executes (the bf16 target on each
+    level's own linear and attention)."""
     target_dir, other_dir = dirs
     target = graphspec.load_model(target_dir, dtype=dtype)
     tok = target.tokenizer
@@ -80,17 +81,18 @@ def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_drafts_give_the_autoregressive_tokens(dirs, dtype):
-    """quantize="int4" (the C++ forward's few-row products in 4 bits, kernels/_int4_gemm.h): the draft
+    """quantize="int4" (the C++ forward's few-row products in 4 bits, kernels/cpu/int4_gemm.h): the draft
     proposes from coarser weights, the output stays the target's, token for token."""
-    from graphspec.models import int8_native
+    from graphspec.kernels import cpu
+    from graphspec.kernels.cpu import int8_draft
 
-    if not int8_native.have_vnni():
-        pytest.skip("quantize='int4' needs the C++ int8 forward built with AVX-512 VNNI")
+    if not cpu.have_vnni():
+        pytest.skip("quantize='int4' needs the CPU backend's avx512 level (AVX-512 VNNI)")
     target_dir, other_dir = dirs
     target = graphspec.load_model(target_dir, dtype=dtype)
     tok = target.tokenizer
     int4_draft = graphspec.load_model(target_dir, dtype=dtype, quantize="int4")
-    assert "quantize=int4" in repr(int4_draft) and int8_native.draft_for(int4_draft).gemm() == "int4"
+    assert "quantize=int4" in repr(int4_draft) and int8_draft.draft_for(int4_draft).gemm() == "int4"
     prompts = [tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 4), tok.encode("The")[:1]]
     for prompt in prompts:
         ref = graphspec.Pipeline(target).run(prompt, max_new_tokens=24, ignore_eos=True).token_ids

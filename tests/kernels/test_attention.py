@@ -78,7 +78,7 @@ def test_dispatch_runs_triton_when_asked_and_picks_a_kernel():
     with use_backend("triton"):
         out = attention(q, k, v, scale=0.05)
     assert_close(out, attention_ref(q, k, v, scale=0.05), *TOL[torch.float32], name="attention(triton)")
-    with use_backend("torch"):  # the CPU path: C++ rows (kernels/attention_cpu.cpp) or one-row SDPA calls
+    with use_backend("torch"):  # the CPU path: C++ rows (kernels/cpu/attention.cpp) or one-row SDPA calls
         assert_close(attention(q, k, v, scale=0.05), attention_ref(q, k, v, scale=0.05), *TOL[torch.float32],
                      name="attention(torch)")
 
@@ -242,16 +242,11 @@ def _exact_trial(trial, dtype, g):
     return q, k, v, parents
 
 
-@pytest.fixture(params=["native", "torchscript"])
-def cpu_rows(request, monkeypatch):
-    """The CPU row-exact path under test: C++ (kernels/attention_cpu.cpp, where it builds) or TorchScript SDPA rows."""
-    from graphspec.kernels import cpu_native
-
-    if request.param == "native" and not cpu_native.available():
-        pytest.skip("graphspec's C++ CPU kernels do not build here")
-    if request.param == "torchscript":
-        monkeypatch.setattr(cpu_native, "available", lambda: False)
-    return request.param
+@pytest.fixture
+def cpu_rows(any_level):
+    """The CPU row-exact path under test: C++ (kernels/cpu/attention.cpp) at each level this CPU executes, or, at
+    the torch level, TorchScript SDPA rows."""
+    return any_level
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -505,13 +500,13 @@ def test_batched_rows_runs_a_block_as_one_call(monkeypatch):
     """Inside batched_rows() (a prefill) a verify-sized block is one batched call, not row by row."""
     import importlib
 
-    from graphspec.kernels import cpu_native
+    from graphspec.kernels import cpu
 
     cpu_mod = importlib.import_module("graphspec.kernels._attention_cpu")
     rowwise = []
     real = cpu_mod.attend
     monkeypatch.setattr(cpu_mod, "attend", lambda *a, **kw: rowwise.append(1) or real(*a, **kw))
-    monkeypatch.setattr(cpu_native, "available", lambda: False)  # the C++ rows: test_cpu_native.py
+    monkeypatch.setattr(cpu, "available", lambda: False)  # the C++ rows: tests/kernels/cpu
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 12, 4, 64, generator=g)
     k = torch.randn(1, 30, 2, 64, generator=g)

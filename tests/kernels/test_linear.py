@@ -124,7 +124,7 @@ def test_bad_input_raises_value_error_naming_argument(call, match):
         call()
 
 
-# --- prepare_weight: the oneDNN-packed CPU layout (bf16 weights on AVX-512 BF16: test_cpu_native.py) ------------
+# --- prepare_weight: the oneDNN-packed CPU layout (bf16 weights at a level with a bf16 linear: tests/kernels/cpu) ------------
 
 needs_pack = pytest.mark.skipif(not _can_pack(torch.zeros(1, 1)), reason="oneDNN is not available in this torch")
 # oneDNN and F.linear accumulate in fp32 in different orders: fp32 ~1e-6 relative; bf16 outputs may
@@ -137,7 +137,7 @@ PACK_DTYPES = [torch.float32] + ([torch.bfloat16] if _can_pack(torch.zeros(1, 1,
 @pytest.mark.parametrize("m", [1, 2, 5, 9, 33])
 def test_packed_weight_matches_reference(m, dtype):
     x, w, b = _inputs(m, 130, 423, dtype, bias=(m % 2 == 1))
-    pw = prepare_weight(w, layout="onednn")  # bf16 "auto" may be the native kernel: test_cpu_native.py
+    pw = prepare_weight(w, layout="onednn")  # bf16 "auto" may be the native kernel: tests/kernels/cpu
     assert isinstance(pw, PackedWeight) and pw.shape == w.shape and pw.dtype == dtype
     y = linear(x, pw, b)
     assert y.dtype == dtype and y.shape == (m, 423)
@@ -264,7 +264,7 @@ def test_long_products_split_only_where_rows_disagree(monkeypatch):
     assert calls == [40] and c >= linear_mod.MIN_ROWS
 
 
-INT8_REL = 0.03  # per-row int8 weights and per-call 8-bit activations: ~1% relative error, bounded at 3%
+INT8_REL = 0.03  # per-row int8 weights and per-row 8-bit activations: ~1% relative error, bounded at 3%
 
 
 def _rel_err(y, ref):
@@ -273,7 +273,7 @@ def _rel_err(y, ref):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_int8_weight_approximates_reference(m, dtype):
+def test_int8_weight_approximates_reference(m, dtype, any_level):
     x, w, b = _inputs(m, 130, 423, dtype, bias=(m != 3))
     qw = quantize_weight(w)
     assert isinstance(qw, Int8Weight) and qw.shape == w.shape and qw.dtype == dtype

@@ -1,29 +1,25 @@
-"""int8 models (drafts on a CPU): fp32 between the GEMMs, and cached forwards on the lean path.
+"""int8 models (drafts on a CPU): fp32 between the GEMMs, and cached forwards on the C++ path.
 
-``Transformer._forward_int8`` is ``_forward``'s math written in fewer torch ops for the steps a
-draft runs (prefill, one-token proposals, multi-token catch-ups); here it must give ``_forward``'s
-logits (same int8 GEMMs, same fp32 math, only the op boundaries differ) on every architecture,
-with biases, a batch, explicit positions, a pruned head and each ``logits_for``, and it must
-really be what runs.
+``Transformer._forward_int8`` (graphspec.kernels.cpu.int8_draft) is ``_forward``'s math as C++ loops for the
+steps a draft runs (prefill, one-token proposals, multi-token catch-ups, a beam's tree levels); here it must give
+``_forward``'s logits (same int8 GEMMs, same fp32 math, only the order of fp32 sums differs) on every
+architecture and every C++ level, with biases, a batch, explicit positions, a pruned head and each
+``logits_for``, and it must really be what runs.
 """
-
-import contextlib
 
 import pytest
 import torch
 
 from graphspec.kernels.linear import Int8Weight
-from graphspec.models import int8_native, load_model
+from graphspec.models import load_model
 from tests.checkpoints import make_checkpoint
+from tests.kernels.cpu._int_gemm import assert_rows_close
 from tests.models._chunks import chunked_steps
 
-pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
-                                and "x86" not in torch.backends.quantized.supported_engines,
-                                reason="this torch build has no int8 CPU GEMM")
+pytestmark = pytest.mark.usefixtures("level")  # every C++ level this CPU executes
 
 # Both paths run the same int8 GEMMs on fp32 activations; only where fp32 sums round differs
-# (rms_norm and SDPA calls split differently), ~1e-6 relative, which can move one activation
-# across an 8-bit rounding step. Measured on these models: < 1e-6 absolute, logits up to ~3.
+# (norms and attention), ~1e-6 relative, which can move one activation across an 8-bit rounding step.
 ATOL = 1e-3
 
 
@@ -65,7 +61,7 @@ def test_lean_forward_matches_the_general_forward(model, monkeypatch):
     general = _steps(model, False, ids)
     assert len(calls) == len(CHUNKS)  # ... and lean_int8_forward=False none
     assert fast.shape == general.shape == (2, sum(CHUNKS[1:]), model.config.vocab_size)
-    torch.testing.assert_close(fast, general, rtol=0, atol=ATOL)
+    assert_rows_close(fast, general, ATOL)
     assert general.abs().max() > 0.5  # logits of real size, so the tolerance means something
 
 
@@ -78,40 +74,22 @@ def test_lean_forward_with_positions_head_and_rows(model):
     head = model.head_rows(keep)
     for kw in ({"positions": positions}, {"head": head}, {"logits_for": "last"}, {"logits_for": torch.tensor([0, 0])}):
         fast, general = _steps(model, True, ids, **kw), _steps(model, False, ids, **kw)
-        torch.testing.assert_close(fast, general, rtol=0, atol=ATOL)
+        assert_rows_close(fast, general, ATOL)
     full = _steps(model, True, ids, head=None)
-    torch.testing.assert_close(_steps(model, True, ids, head=head), full[..., keep], rtol=0, atol=ATOL)
+    assert_rows_close(_steps(model, True, ids, head=head), full[..., keep], ATOL)
     shifted = _steps(model, True, ids, positions=positions)
     assert (shifted - full).abs().max() > 1e-2  # positions reach rope: a test of them can fail
-
-
-def test_lean_forward_runs_as_torchscript(model, monkeypatch):
-    """The lean path's layers run in TorchScript (graphspec.models.lean_int8), not in Python."""
-    import graphspec.models.transformer as transformer
-
-    calls = []
-    scripted = transformer.scripted_forward()
-    assert isinstance(scripted, torch.jit.ScriptFunction)
-    monkeypatch.setattr(transformer, "scripted_forward", lambda: calls.append(1) or scripted)
-    monkeypatch.setattr(model, "native_int8_forward", False)  # batch 1 would run in C++ (test_int8_native.py)
-    cache = model.new_cache(16)
-    model.step(torch.tensor([[1, 2, 3]]), cache, logits_for="last")
-    model.step(torch.tensor([[4]]), cache, logits_for="last")
-    assert len(calls) == 2 and cache.length == 4
 
 
 def _beam_levels(model, fast, prompt, levels):
     """A beam draft's forwards: the prompt, then each level's rows under ``tree [T, m]`` masks, as the beam
     passes them; returns each level's logits. ``levels``: lists of (token, parent node or -1) per level.
 
-    The prompt (batch 1, no tree) runs in C++ where it builds: there on fbgemm's GEMMs, the general
-    path's, since graphspec's own int8 GEMM rounds activations otherwise (test_int8_native.py)."""
+    """
     model.lean_int8_forward = fast
-    int8_cpp = model.quantize == "int8" and int8_native.available()
     try:
-        with int8_native.using_gemm(model, "fbgemm") if int8_cpp else contextlib.nullcontext():
-            cache = model.new_cache(64)
-            model.step(prompt, cache, logits_for="last")
+        cache = model.new_cache(64)
+        model.step(prompt, cache, logits_for="last")
         base = cache.length
         slot, depth, out = [], [], []
         for level in levels:
@@ -147,7 +125,7 @@ def test_lean_forward_with_a_wide_tree_matches_the_general_forward(model):
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]]) % model.config.vocab_size
     lean, general = _beam_levels(model, True, prompt, LEVELS), _beam_levels(model, False, prompt, LEVELS)
     for fast, slow in zip(lean, general):
-        torch.testing.assert_close(fast, slow, rtol=0, atol=ATOL)
+        assert_rows_close(fast, slow, ATOL)
     assert lean[-1].abs().max() > 0.5
 
 

@@ -1,23 +1,25 @@
-// An int8 GEMM for small row counts on CPUs with AVX-512 VNNI: the int8 draft forward's products
-// (models/int8_native.cpp). Header-only, so the extension that uses it inlines it.
+// An int8 GEMM for small row counts, at every level of graphspec's CPU backend: the int8 draft forward's
+// products (int8_draft.cpp) and kernels.linear's Int8Weight. Header-only, so the extension that uses it
+// inlines it.
 //
-// Why: fbgemm's dynamic int8 linear (what torch.ops.quantized.linear_dynamic and the draft forward called)
-// read the draft's weights at 13-16 GB/s on one core of the AMD EPYC (Zen 4), where a plain stream reads
-// 22-28 GB/s; its 6-row products cost 1.2-1.5x its 1-row ones. This loop reads each weight once, as one
-// contiguous stream per tile of 64 outputs, and multiplies it with up to 6 rows held in registers
-// (vpdpbusd: u8 x s8 -> int32, four products a lane). perf/RESULTS.md section R has the measurements.
+// Why: torch's dynamic int8 linear (fbgemm) read the draft's weights well below the memory bandwidth, and on
+// CPUs without VNNI it multiplies u8 x s8 pairs with vpmaddubsw, whose 16-bit pair sums saturate: real drafts
+// computed garbage there. This loop reads each weight once, as one contiguous stream per tile, and multiplies
+// it with a few rows held in registers. avx512: vpdpbusd (u8 x s8 -> int32, four products a lane), tiles of 64
+// outputs, up to 6 rows. avx2: weights and activations widened to int16 and multiplied by vpmaddwd (int16 pairs
+// -> int32: no saturation), tiles of 16 outputs, up to 2 rows. generic: plain int32 loops.
 //
 // Layout (pack_int8): an int8 [N, K] weight (symmetric, one fp32 scale per output row) becomes tiles of up to
-// 4 blocks of 16 outputs; a tile of nb blocks stores, for each group of 4 inputs k .. k+3, the nb * 16 outputs'
-// 4 weights side by side ([ceil(K / 4), nb * 16, 4], zero padded), tiles back to back. Beside it: the row sums
-// of the int8 weights (int32) and the scales, both padded to whole blocks.
+// kI8TileBlocks blocks of 16 outputs; a tile of nb blocks stores, for each group of 4 inputs k .. k+3, the
+// nb * 16 outputs' 4 weights side by side ([ceil(K / 4), nb * 16, 4], zero padded), tiles back to back. Beside
+// it: the row sums of the int8 weights (int32) and the scales, both padded to whole blocks.
 //
 // Numerics: each row of x is quantized on its own to u8 with a zero point, x ~ s * (u - z), over
-// [min(x, 0), max(x, 0)] in 255 steps (8 bits; fbgemm's dynamic path uses one scale for all rows and 7 bits
-// to keep its int16 pairs from saturating, which vpdpbusd's int32 sums do not need). Then
-// y[m, n] = s_m * w_n * (sum_k u[m, k] * q[n, k] - z_m * rowsum_n), the int32 sum exact. A row's result
-// does not depend on the other rows or the thread count. This is a draft's GEMM: approximate (int8), which
-// speculative decoding allows; the tests check it against the same quantization done in torch.
+// [min(x, 0), max(x, 0)] in 255 steps. Then y[m, n] = s_m * w_n * (sum_k u[m, k] * q[n, k] - z_m * rowsum_n)
+// with the int32 sum exact and the same fp32 operations after it at every level, so every level gives the same
+// bits, and a row's result does not depend on the other rows or the thread count. This is a draft's GEMM:
+// approximate (int8), which speculative decoding allows; the tests check it against the same quantization done
+// in torch (kernels.linear.int8_linear_ref), bit for bit.
 
 #pragma once
 
@@ -27,20 +29,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define GS_HAVE_VNNI 1
-#else
-#define GS_HAVE_VNNI 0
-#endif
+#include "level.h"
 
 namespace graphspec_native {
 
 constexpr int64_t kI8Block = 16;     // outputs per block: one zmm of int32 sums
+#if GS_AVX512
 constexpr int64_t kI8TileBlocks = 4;  // blocks per tile (64 outputs)
-constexpr int kI8MaxRows = 6;        // rows per register tile: 6 x 4 sums + 4 weights + 1 broadcast = 29 zmm
+constexpr int kI8MaxRows = 6;         // rows per register tile: 6 x 4 sums + 4 weights + 1 broadcast = 29 zmm
+#elif GS_AVX2
+constexpr int64_t kI8TileBlocks = 1;  // one block of 16 outputs: 4 ymm of pair sums a row
+constexpr int kI8MaxRows = 2;         // 2 x 4 sums + 2 broadcasts + 1 weight of the 16 ymm
+#else
+constexpr int64_t kI8TileBlocks = 1;
+constexpr int kI8MaxRows = 4;
+#endif
 
 inline bool have_vnni() { return GS_HAVE_VNNI != 0; }
 
@@ -169,9 +175,72 @@ inline void int8_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, cons
 
 #endif  // GS_HAVE_VNNI
 
-// The checks both GEMMs (this file's, _int4_gemm.h's) make of x before running: what = "int8 GEMM" etc.
+// The float work after the exact integer sums, the same operations at every level: v = acc - z * rowsum as
+// fp32 (nearest even), then (v * w_scale) * x_scale.
+inline float int8_epilogue(int32_t acc, int32_t z, int32_t rowsum, float w_scale, float x_scale) {
+  return (static_cast<float>(acc - z * rowsum) * w_scale) * x_scale;
+}
+
+#if GS_AVX2
+
+// y[m, f0 .. f0 + 16) for M rows and one block: u16 holds each row's groups of 4 u8 widened to 4 int16 (ldu a
+// row); w the block's [kq, 16, 4] int8 weights.
+template <int M>
+inline void int8_tile_avx2(const uint64_t* u16, int64_t ldu, const int8_t* w, int64_t kq, const float* xs,
+                           const int32_t* xz, const float* ws, const int32_t* rs, float* y, int64_t ldy, int64_t f0,
+                           int64_t n) {
+  __m256i acc[M][4];  // acc[m][q]: outputs 4q .. 4q + 3, two partial sums each
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_setzero_si256();
+  for (int64_t g = 0; g < kq; ++g) {
+    __m256i ub[M];
+    for (int m = 0; m < M; ++m) ub[m] = _mm256_set1_epi64x(static_cast<long long>(u16[m * ldu + g]));
+    const int8_t* wg = w + g * kI8Block * 4;
+    for (int q = 0; q < 4; ++q) {
+      const __m256i wq = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * q)));
+      for (int m = 0; m < M; ++m) acc[m][q] = _mm256_add_epi32(acc[m][q], _mm256_madd_epi16(wq, ub[m]));
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kI8Block, n - f0);
+  for (int m = 0; m < M; ++m) {
+    alignas(32) float out[kI8Block];
+    for (int half = 0; half < 2; ++half) {
+      // hadd within 128-bit lanes gives outputs (0 1 4 5 | 2 3 6 7) of these 8; the permute puts them in order
+      const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][2 * half], acc[m][2 * half + 1]), 0xD8);
+      const int64_t f = f0 + 8 * half;
+      const __m256i zr = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs + f)),
+                                            _mm256_set1_epi32(xz[m]));
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, zr));
+      _mm256_store_ps(out + 8 * half, _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(ws + f)), _mm256_set1_ps(xs[m])));
+    }
+    std::memcpy(y + m * ldy + f0, out, sizeof(float) * valid);
+  }
+}
+
+#endif  // GS_AVX2
+
+// The generic level: the same sums as plain loops.
+template <int M>
+inline void int8_tile_generic(const uint8_t* u, int64_t ldu, const int8_t* w, int64_t kq, const float* xs,
+                              const int32_t* xz, const float* ws, const int32_t* rs, float* y, int64_t ldy, int64_t f0,
+                              int64_t n) {
+  int32_t acc[M][kI8Block] = {};
+  for (int64_t g = 0; g < kq; ++g) {
+    const int8_t* wg = w + g * kI8Block * 4;
+    for (int m = 0; m < M; ++m) {
+      const uint8_t* ug = u + m * ldu + 4 * g;
+      for (int64_t o = 0; o < kI8Block; ++o)
+        for (int j = 0; j < 4; ++j) acc[m][o] += static_cast<int32_t>(ug[j]) * static_cast<int32_t>(wg[o * 4 + j]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kI8Block, n - f0);
+  for (int m = 0; m < M; ++m)
+    for (int64_t o = 0; o < valid; ++o)
+      y[m * ldy + f0 + o] = int8_epilogue(acc[m][o], xz[m], rs[f0 + o], ws[f0 + o], xs[m]);
+}
+
+// The checks both GEMMs (this file's, int4_gemm.h's) make of x before running: what = "int8 GEMM" etc.
 inline void check_gemm_input(const at::Tensor& x, int64_t k, const char* what) {
-  TORCH_CHECK(have_vnni(), what, ": built without AVX-512 VNNI (this CPU or compiler lacks it)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), what,
               ": x must be a contiguous 2-d fp32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(x.size(1) == k, what, ": x has ", x.size(1), " columns, the weight ", k, " inputs");
@@ -204,23 +273,51 @@ inline at::Tensor int8_linear(const at::Tensor& x, const Int8Matrix& w) {
   const int64_t rows = x.size(0), n = w.n, kq = w.groups(), nb = w.blocks();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-#if GS_HAVE_VNNI
   std::vector<uint32_t> u(static_cast<size_t>(rows * kq));
   std::vector<float> xs(rows);
   std::vector<int32_t> xz(rows);
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < rows; ++m)
     quantize_row(xp + m * w.k, w.k, kq * 4, reinterpret_cast<uint8_t*>(u.data() + m * kq), &xs[m], &xz[m]);
-  // More than 6 rows (a prefill) go in equal chunks: a tile's weights (64 outputs x K, at most 570 KB for
-  // K = 8960) stay in cache meanwhile.
+  // More rows than a register tile holds (a prefill) go in equal chunks: a tile's weights (16 or 64 outputs x K)
+  // stay in cache meanwhile.
   const int64_t step = chunk_rows(rows, kI8MaxRows);
   const int8_t* wd = w.data.data_ptr<int8_t>();
   const float* ws = w.scales.data_ptr<float>();
   const int32_t* rs = w.rowsums.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
+#if GS_HAVE_VNNI
   for_tiles_and_chunks(nb, kI8TileBlocks, rows, step, [&](int64_t b0, int tb, int64_t r, int chunk) {
     int8_tile_any(chunk, tb, u.data() + r * kq, kq, wd + b0 * kI8Block * kq * 4, kq, xs.data() + r, xz.data() + r,
                   ws, rs, yp + r * n, n, b0 * kI8Block, n);
+  });
+#elif GS_AVX2
+  std::vector<uint64_t> u16(static_cast<size_t>(rows * kq));  // each group's 4 u8 as 4 int16
+  const uint8_t* ub = reinterpret_cast<const uint8_t*>(u.data());
+  for (int64_t i = 0; i < rows * kq; ++i)
+    u16[i] = static_cast<uint64_t>(ub[4 * i]) | static_cast<uint64_t>(ub[4 * i + 1]) << 16 |
+             static_cast<uint64_t>(ub[4 * i + 2]) << 32 | static_cast<uint64_t>(ub[4 * i + 3]) << 48;
+  for_tiles_and_chunks(nb, kI8TileBlocks, rows, step, [&](int64_t b0, int, int64_t r, int chunk) {
+    const int8_t* wt = wd + b0 * kI8Block * kq * 4;
+    const uint64_t* ur = u16.data() + r * kq;
+    float* yr = yp + r * n;
+    if (chunk == 2)
+      int8_tile_avx2<2>(ur, kq, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, b0 * kI8Block, n);
+    else
+      int8_tile_avx2<1>(ur, kq, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, b0 * kI8Block, n);
+  });
+#else
+  for_tiles_and_chunks(nb, kI8TileBlocks, rows, step, [&](int64_t b0, int, int64_t r, int chunk) {
+    const int8_t* wt = wd + b0 * kI8Block * kq * 4;
+    const uint8_t* ur = reinterpret_cast<const uint8_t*>(u.data() + r * kq);
+    const int64_t ldu = kq * 4, f0 = b0 * kI8Block;
+    float* yr = yp + r * n;
+    switch (chunk) {
+      case 4: int8_tile_generic<4>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
+      case 3: int8_tile_generic<3>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
+      case 2: int8_tile_generic<2>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
+      default: int8_tile_generic<1>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
+    }
   });
 #endif
   return y;

@@ -1,6 +1,6 @@
 // An int4 GEMM (4-bit weights in groups of 64 inputs, 8-bit activations) for small row counts on CPUs with
-// AVX-512 VNNI: the int8 draft forward's layer products where a draft is asked to run in 4 bits
-// (models/int8_native.cpp, set_gemm("int4")). Header-only, beside kernels/_int8_gemm.h, whose activation
+// AVX-512 VNNI (the avx512 level only): the int8 draft forward's layer products where a draft is asked to run in 4 bits
+// (int8_draft.cpp, set_gemm("int4")). Header-only, beside int8_gemm.h, whose activation
 // rounding it shares.
 //
 // Why: a draft forward on one core is a stream of its weights (the pruned Qwen2.5-0.5B reads about 420 MB of
@@ -16,7 +16,7 @@
 // has input g * 64 + 8p + i of output o in its low nibble and input g * 64 + 8p + 4 + i in its high nibble.
 // Scales beside it, in the same tile order ([groups, nb * 16] a tile).
 //
-// Sums: with each row of x rounded as in _int8_gemm.h (x ~ s_x * (u - z)),
+// Sums: with each row of x rounded as in int8_gemm.h (x ~ s_x * (u - z)),
 //   y[m, n] = s_x * (sum_g s[g, n] * (A[g, m, n] - 8 * U[g, m]) - z * R[n]),
 // A the int32 sum of u * w' over the group (vpdpbusd), U the sum of the row's u over the group, R[n] =
 // sum_g s[g, n] * Q[g, n] with Q the sum of the group's q4. Each group's int32 sum is exact; the groups are
@@ -24,7 +24,7 @@
 
 #pragma once
 
-#include "_int8_gemm.h"
+#include "int8_gemm.h"
 
 namespace graphspec_native {
 
@@ -151,6 +151,7 @@ inline void int4_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, cons
 
 // y [rows, N] fp32 = x [rows, K] fp32 (contiguous) times the packed int4 weight, as described above.
 inline at::Tensor int4_linear(const at::Tensor& x, const Int4Matrix& w) {
+  TORCH_CHECK(have_vnni(), "int4 GEMM: the ", GS_LEVEL_NAME, " level has no int4 GEMM (it needs avx512's VNNI)");
   check_gemm_input(x, w.k, "int4 GEMM");
   const int64_t rows = x.size(0), n = w.n, G = w.groups(), nb = w.blocks(), kq = G * kI4Group / 4;
   at::Tensor y = at::empty({rows, n}, x.options());

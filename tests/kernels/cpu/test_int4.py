@@ -1,4 +1,4 @@
-"""graphspec's int4 GEMM (kernels/_int4_gemm.h) against the same rounding done in torch, and the C++ draft
+"""graphspec's int4 GEMM (kernels/cpu/int4_gemm.h, the avx512 level) against the same rounding done in torch, and the C++ draft
 forward on it (``quantize="int4"``, ``set_gemm("int4")``) against fp32 maths on the same 4-bit weights.
 
 The weights: each int8 weight (symmetric per row, kernels/linear.py quantize_weight) rounded again per group
@@ -11,18 +11,16 @@ import pytest
 import torch
 
 from graphspec.kernels.linear import quantize_weight
-from graphspec.models import int8_native, load_model
+from graphspec.kernels import cpu
+from graphspec.kernels.cpu import int8_draft
+from graphspec.models import load_model
 from graphspec.models.transformer import check_quantize
 from tests.checkpoints import make_checkpoint
 from tests.models._chunks import chunked_steps
-from tests.models._int_gemm import check_gemm_contract, round_activations, vnni  # noqa: F401 (a fixture)
-
-pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines
-                                and "x86" not in torch.backends.quantized.supported_engines,
-                                reason="this torch build has no int8 CPU GEMM")
+from tests.kernels.cpu._int_gemm import check_gemm_contract, round_activations, vnni  # noqa: F401 (a fixture)
 
 GROUP = 64
-INT4_ROWS = 3  # int8_native.cpp kInt4Rows: larger products run on the int8 GEMM
+INT4_ROWS = 3  # int8_draft.cpp kInt4Rows: larger products run on the int8 GEMM
 
 
 def int4_weight(q8: torch.Tensor, row_scales: torch.Tensor):
@@ -51,10 +49,19 @@ def reference(x, q4, gscales):
     return out * s.double()[:, None]
 
 
+class _Int4:
+    """One weight through the int4 GEMM (``Int8Linear.forward4``)."""
+
+    def __init__(self, qw):
+        self.linear = qw.native("avx512")
+
+    def forward(self, x):
+        return self.linear.forward4(x)
+
+
 def _gemm(w):
     qw = quantize_weight(w)
-    q, _ = torch.ops.quantized.linear_unpack(qw.packed)
-    return torch.classes.graphspec_int8_native.Int4Linear(qw.packed), q.int_repr(), q.q_per_channel_scales()
+    return _Int4(qw), qw.q, qw.scales
 
 
 @pytest.mark.parametrize("n,k", [(37, 21), (200, 577), (64, 64), (33, 1536), (16, 4), (1, 3), (130, 130)])
@@ -125,11 +132,11 @@ def _dense(model, layer_weights, head):
 def test_int4_forward_is_fp32_maths_on_the_4_bit_weights(model):
     """The C++ forward with ``quantize="int4"``, chunk by chunk, against the general fp32 forward on the same
     weights dequantized: int4 for chunks of up to 3 tokens, int8 for larger ones and the head."""
-    assert model.quantize == "int4" and int8_native.draft_for(model).gemm() == "int4"
+    assert model.quantize == "int4" and int8_draft.draft_for(model).gemm() == "int4"
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, model.config.vocab_size, (1, sum(CHUNKS)), generator=g)
     native, _ = chunked_steps(model, ids, CHUNKS)
-    with int8_native.using_gemm(model, "vnni"):
+    with int8_draft.using_gemm(model, "int8"):
         int8_out, _ = chunked_steps(model, ids, CHUNKS)
     saved = [{f: getattr(layer, f) for f in ("wqkv", "wo", "w13", "w2")} for layer in model.layers]
     head = model.lm_head
@@ -138,8 +145,7 @@ def test_int4_forward_is_fp32_maths_on_the_4_bit_weights(model):
     for ws in saved:
         d4 = {}
         for f, w in ws.items():
-            q, _ = torch.ops.quantized.linear_unpack(w.packed)
-            q4, gs = int4_weight(q.int_repr(), q.q_per_channel_scales())
+            q4, gs = int4_weight(w.q, w.scales)
             d4[f] = q4.float() * gs.repeat_interleave(GROUP, 1)[:, :q4.shape[1]]
         dense4.append(d4)
     cache = model.new_cache(64)
@@ -163,16 +169,16 @@ def test_int4_forward_is_fp32_maths_on_the_4_bit_weights(model):
 
 
 def test_set_gemm_int4_and_drop(model):
-    obj = int8_native.draft_for(model)
-    with pytest.raises(RuntimeError, match="gemm must be 'vnni', 'int4' or 'fbgemm', got 'int2'"):
+    obj = int8_draft.draft_for(model)
+    with pytest.raises(RuntimeError, match="gemm must be 'int8' or 'int4', got 'int2'"):
         obj.set_gemm("int2")
-    with pytest.raises(RuntimeError, match="runs the int4 GEMM; set_gemm another first"):
+    with pytest.raises(RuntimeError, match="runs the int4 GEMM; set_gemm..int8.. first"):
         obj.drop_int4()
     ids = torch.tensor([[1, 2]])  # 2 rows: the int4 GEMM's
     before = model.step(ids, model.new_cache(8))
     try:
-        obj.set_gemm("vnni")
-        assert obj.gemm() == "vnni"
+        obj.set_gemm("int8")
+        assert obj.gemm() == "int8"
         assert not torch.equal(model.step(ids, model.new_cache(8)), before)  # really another GEMM
         obj.drop_int4()  # the copies go; asking for int4 again packs them again, the same
         obj.set_gemm("int4")
@@ -182,14 +188,12 @@ def test_set_gemm_int4_and_drop(model):
         obj.set_gemm("int4")
 
 
-def test_int4_needs_the_cpp_forward_and_vnni(tmp_path, monkeypatch, vnni):
+def test_int4_needs_the_avx512_level(tmp_path, vnni):
     d = make_checkpoint(tmp_path / "m", "llama", tokenizer=None, hidden_size=64, heads=4, kv_heads=2, layers=1)
-    monkeypatch.setattr(int8_native, "available", lambda: False)
-    with pytest.raises(ValueError, match="quantize='int4' runs in the C.. int8 draft forward, which is not available"):
-        load_model(d, quantize="int4")
-    monkeypatch.setattr(int8_native, "available", lambda: True)
-    monkeypatch.setattr(int8_native, "have_vnni", lambda: False)
-    with pytest.raises(ValueError, match="quantize='int4' needs AVX-512 VNNI.*use quantize='int8'"):
-        load_model(d, quantize="int4")
+    for lower in ("avx2", "generic", "torch"):
+        if lower in cpu.supported_levels():
+            with cpu.use_level(lower), pytest.raises(ValueError, match=f"needs the CPU backend's avx512 level.*here is "
+                                                                      f"{lower}.*use quantize='int8'"):
+                load_model(d, quantize="int4")
     with pytest.raises(ValueError, match="cannot run on cuda"):
         check_quantize("int4", None, "cuda")

@@ -1,27 +1,27 @@
-"""graphspec's C++ CPU kernels: the bf16 linear (kernels/linear_cpu.cpp, AVX-512 BF16) against F.linear, the
-decode/verify attention (kernels/attention_cpu.cpp; its row exactness and maths against the definition are in
-test_attention.py, for both CPU paths), and the dispatch.
+"""graphspec's C++ CPU backend (graphspec.kernels.cpu): the bf16 linear (kernels/cpu/linear.cpp) at each level
+that has one (avx512, avx2) against F.linear and, at avx2, against its exact order of the sums; the decode/verify
+attention (kernels/cpu/attention.cpp) at every C++ level (its row exactness and maths against the definition are in
+tests/kernels/test_attention.py, for every level); and the switch between levels.
 
-Skipped where a kernel cannot run (no compiler; the linear also needs AVX-512 BF16); the mode tests run everywhere.
+Every level this CPU executes runs (the ``level`` / ``bf16_level`` fixtures in tests/conftest.py), not only its best.
 """
 
 import importlib
+import platform
 import warnings
 
 import pytest
 import torch
 
-from graphspec.kernels import _native, attention, attention_ref, batched_rows, cpu_native, use_backend
+from graphspec.kernels import attention, attention_ref, batched_rows, cpu, use_backend
 from graphspec.kernels.attention import ancestor_mask
 from graphspec.kernels.linear import NativeWeight, PackedWeight, linear, linear_ref, prepare_weight
 from tests.kernels._compare import assert_close, attention_inputs
 
 linear_mod = importlib.import_module("graphspec.kernels.linear")
 
-needs_native = pytest.mark.skipif(not cpu_native.bf16_linear(), reason="graphspec's bf16 CPU kernel does not run here "
-                                  "(it needs AVX-512 BF16 and a C++ compiler)")
-
-needs_kernels = pytest.mark.skipif(not cpu_native.available(), reason="graphspec's C++ CPU kernels do not build here")
+needs_native = pytest.mark.usefixtures("bf16_level")  # each level with a bf16 linear this CPU executes
+needs_kernels = pytest.mark.usefixtures("level")  # each C++ level this CPU executes
 
 # Both sides sum exact bf16 products in fp32 in different orders (~1e-6 relative) and round to bf16 to
 # nearest even, so outputs may be one bf16 ulp (2^-8 relative) apart; the inputs keep outputs O(1).
@@ -110,7 +110,7 @@ def test_native_refuses_triton_and_bad_shapes():
     with pytest.raises(ValueError, match="bias"):
         linear(torch.randn(2, 4).bfloat16(), nw, torch.randn(7).bfloat16())
     with pytest.raises(RuntimeError, match="does not hold a"):  # the op checks what it is handed
-        cpu_native.ops().linear(torch.randn(2, 6).bfloat16(), nw.packed, 8, None)
+        cpu.ops().linear(torch.randn(2, 6).bfloat16(), nw.packed, 8, None)
 
 
 @needs_kernels
@@ -133,14 +133,14 @@ def test_native_attention_is_the_same_bits_with_any_thread_count(dtype):
 def test_native_attention_runs_decode_and_verify_but_not_prefills_or_fp16(monkeypatch):
     """One-token steps and verify blocks take the C++ rows; a prefill (batched_rows) and fp16 keep SDPA."""
     calls = []
-    real = cpu_native.ops
+    real = cpu.ops
 
     class Counting:
         def __getattr__(self, name):
             op = getattr(real(), name)
             return (lambda *a: calls.append(a[0].shape[1]) or op(*a)) if name == "attend" else op
 
-    monkeypatch.setattr(cpu_native, "ops", lambda: Counting())
+    monkeypatch.setattr(cpu, "ops", lambda: Counting())
     q, k, v = attention_inputs(1, 5, 25, 4, 2, 64, torch.float32)
     with use_backend("torch"):
         one = attention(q[:, :1], k[:, :21], v[:, :21])
@@ -159,16 +159,43 @@ def test_native_attention_runs_decode_and_verify_but_not_prefills_or_fp16(monkey
 def test_native_attention_checks_its_inputs():
     q, k, v = attention_inputs(1, 3, 8, 4, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="row 2.s path must be non-empty and end at itself"):
-        cpu_native.ops().attend(q, k, v, 0.1, [1, 2, 2], [0, 0, 1, 0, 1])
+        cpu.ops().attend(q, k, v, 0.1, [1, 2, 2], [0, 0, 1, 0, 1])
     with pytest.raises(RuntimeError, match="rise through earlier nodes"):
-        cpu_native.ops().attend(q, k, v, 0.1, [1, 2, 2], [0, 1, 1, 1, 2])
+        cpu.ops().attend(q, k, v, 0.1, [1, 2, 2], [0, 1, 1, 1, 2])
     with pytest.raises(RuntimeError, match="one path length per new token"):
-        cpu_native.ops().attend(q, k, v, 0.1, [1, 2], [0, 0, 1])
+        cpu.ops().attend(q, k, v, 0.1, [1, 2], [0, 0, 1])
     t = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, L, Hk, D] with another key stride than v's
     with pytest.raises(RuntimeError, match="share their layout"):
-        cpu_native.ops().attend(q, t, v, 0.1, [1, 2, 3], [0, 0, 1, 0, 1, 2])
+        cpu.ops().attend(q, t, v, 0.1, [1, 2, 3], [0, 0, 1, 0, 1, 2])
     with use_backend("torch"):  # the Python side makes such k, v contiguous first
         assert_close(attention(q, t, v), attention_ref(q, k, v), 1e-5, 1e-5, name="strided k")
+
+
+@pytest.mark.parametrize("k,n", [(130, 423), (17, 3), (1536, 40)])
+@pytest.mark.parametrize("m", [1, 4, 7])
+def test_avx2_linear_is_the_sequential_fp32_sum(m, k, n):
+    """avx2: each output is fma(w[k], x[k], acc) for k = 0, 1, 2, ... then + bias, rounded to bf16. A bf16 x bf16
+    product is exact in fp32, so that is the plain sequential fp32 sum, redone here in torch: bit for bit."""
+    if "avx2" not in cpu.supported_levels():
+        pytest.skip("this CPU has no AVX2")
+    x, w, b = _inputs(m, k, n, seed=k + n)
+    with cpu.use_level("avx2"):
+        y = linear(x, prepare_weight(w), b)
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(m, n)
+    for i in range(k):
+        acc += xf[:, i:i + 1] * wf[:, i][None, :]  # exact product, one fp32 rounding per add
+    assert torch.equal(y, (acc + b.float()).bfloat16())
+
+
+@needs_native
+def test_native_linear_with_activation_outliers():
+    """Real activations have outliers (a maximum of 486 against a median of 0.3 in SmolLM2): fp32 sums keep them."""
+    x, w, b = _inputs(5, 576, 97)
+    x[:, 7] = 486.0
+    x[2, 100] = -300.0
+    y = linear(x, prepare_weight(w), b)
+    assert_close(y, linear_ref(x.float(), w.float(), b.float()), 0.5, RTOL, name="outlier activations")
 
 
 def test_prepare_weight_layouts():
@@ -181,7 +208,7 @@ def test_prepare_weight_layouts():
         assert prepare_weight(w) is w
         with pytest.raises(ValueError, match="layout='native'"):
             prepare_weight(w, layout="native")
-    if cpu_native.bf16_linear():
+    if cpu.bf16_linear():
         assert isinstance(prepare_weight(w), NativeWeight)
         assert isinstance(prepare_weight(w, layout="native"), NativeWeight)
     else:
@@ -193,41 +220,67 @@ def test_prepare_weight_layouts():
     assert isinstance(prepare_weight(torch.randn(8, 4)), (PackedWeight, torch.Tensor))  # fp32: never native
 
 
-def test_mode_switch(monkeypatch):
-    monkeypatch.setenv(cpu_native.ENV, "0")
-    assert not cpu_native.available()
-    assert not isinstance(prepare_weight(torch.randn(8, 4).bfloat16()), NativeWeight)
-    monkeypatch.setenv(cpu_native.ENV, "sometimes")
-    with pytest.raises(ValueError, match="GRAPHSPEC_CPU_NATIVE='sometimes'; use auto"):
-        cpu_native.available()
+def test_levels_and_the_switch(monkeypatch):
+    assert cpu.supported_levels()[-2:] == ("generic", "torch")
+    assert cpu.runnable_levels()[-1] == "torch"
+    with cpu.use_level("torch"):
+        assert cpu.level() == "torch" and not cpu.available()
+        assert not isinstance(prepare_weight(torch.randn(8, 4).bfloat16()), NativeWeight)
+    with cpu.use_level("generic"):
+        assert cpu.level() == "generic" and cpu.available() and not cpu.bf16_linear()
+        assert cpu.ops().level() == "generic"
+    monkeypatch.setenv(cpu.ENV, "sometimes")
+    with pytest.raises(ValueError, match="GRAPHSPEC_CPU='sometimes' is not a CPU level; use auto or one of avx512"):
+        cpu.level()
+    monkeypatch.setenv(cpu.ENV, "torch")
+    assert cpu.level() == "torch"
+    monkeypatch.setenv(cpu.ENV, "auto")
+    assert cpu.level() == cpu.runnable_levels()[0]
+    monkeypatch.setenv("GRAPHSPEC_CPU_NATIVE", "0")
+    with pytest.raises(ValueError, match="GRAPHSPEC_CPU_NATIVE is gone.*GRAPHSPEC_CPU=torch"):
+        cpu.level()
+
+
+def test_a_level_the_cpu_lacks_is_an_error(monkeypatch):
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    with pytest.raises(ValueError, match="level=avx512, but this CPU lacks avx512_bf16, avx512_vnni"):
+        with cpu.use_level("avx512"):
+            pass
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: frozenset())
+    assert cpu.supported_levels() == ("generic", "torch") or platform.machine() != "x86_64"
 
 
 def test_failed_build_warns_once_in_auto_and_raises_when_required(monkeypatch):
+    """auto: a level that does not build warns once and the next level down runs; a level asked for by name
+    is an error that says why."""
     builds = []
 
     def fail(*args, **kwargs):
-        builds.append(1)
-        raise _native.NativeBuildError("no compiler (test)")
+        builds.append(args[0])
+        raise cpu.NativeBuildError("no compiler (test)")
 
-    monkeypatch.setattr(cpu_native, "build", fail)
-    monkeypatch.setattr(cpu_native._gate, "warned", False)
-    monkeypatch.setattr(cpu_native._gate, "failure", None)
-    cpu_native._load.cache_clear()
+    monkeypatch.setattr(cpu, "build", fail)
+    monkeypatch.setattr(cpu, "_failed", {})
+    monkeypatch.setattr(cpu, "_warned", set())
+    cpu._load.cache_clear()
+    cpu._auto.cache_clear()
+    cpu._env_level.cache_clear()
     try:
-        monkeypatch.setenv(cpu_native.ENV, "1")
-        with pytest.raises(_native.NativeBuildError, match="requires graphspec.s C.. CPU kernels.*no compiler"):
-            cpu_native.available()
-        monkeypatch.setenv(cpu_native.ENV, "auto")
-        with pytest.warns(RuntimeWarning,
-                          match="CPU kernels cannot be used .no compiler .test..; using the torch paths .oneDNN, SDPA."):
-            assert not cpu_native.available()
+        monkeypatch.setenv(cpu.ENV, "generic")
+        with pytest.raises(cpu.NativeBuildError, match="GRAPHSPEC_CPU=generic requires graphspec.s C.. CPU backend.*no compiler"):
+            cpu.level()
+        monkeypatch.setenv(cpu.ENV, "auto")
+        with pytest.warns(RuntimeWarning, match="level of the C.. CPU backend cannot be used .*no compiler .test."):
+            assert cpu.level() == "torch"
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert not cpu_native.available()  # once
+            assert cpu.level() == "torch" and not cpu.available()  # once
             assert not isinstance(prepare_weight(torch.randn(8, 4).bfloat16()), NativeWeight)
             q = torch.randn(1, 3, 4, 16)
             for _ in range(3):  # the attention asks at every call: the torch path, and no new build attempt
                 assert_close(attention(q, q, q), attention_ref(q, q, q), 1e-6, 1e-6, name="torch rows")
-        assert builds == [1]  # tried once per process, not at every call
+        assert len(builds) == len(set(builds))  # each level tried once per process, not at every call
     finally:
-        cpu_native._load.cache_clear()  # the next test builds (loads) it for real again
+        cpu._load.cache_clear()  # the next test loads the real builds again
+        cpu._auto.cache_clear()
+        cpu._env_level.cache_clear()

@@ -1,5 +1,5 @@
 // Decode and verify attention on the CPU, one query row at a time: graphspec.kernels.attention's CPU path for
-// blocks of 1..EXACT_ROWS_MAX new tokens (a decode step, a speculative verify), built with linear_cpu.cpp.
+// blocks of 1..EXACT_ROWS_MAX new tokens (a decode step, a speculative verify), in graphspec.kernels.cpu.
 //
 // Why: a verify's query row must come out bit-identical to the one-token step at its position, or bf16 greedy
 // speculative output drifts from autoregressive. Torch's CPU SDPA rounds a row differently by how many rows
@@ -11,8 +11,10 @@
 // count, so a row's output is the same bits in a decode step and in any verify.
 //
 // Maths, per query head: s_i = scale * q . k_i (fp32 sums over D), p_i = exp(s_i - max s) / sum_j exp(s_j - max s)
-// (a polynomial exp, relative error < 3e-7, _native_math.h), out = sum_i p_i v_i, rounded to the input dtype to
-// nearest even. K and V are read in their storage dtype (bf16 or fp32) and widened to fp32.
+// (a polynomial exp, relative error < 3e-7, native_math.h), out = sum_i p_i v_i, rounded to the input dtype to
+// nearest even. K and V are read in their storage dtype (bf16 or fp32) and widened to fp32. Head dims that are a
+// multiple of 16 take the vector path: 16 lanes a step (one zmm at avx512, two ymm at avx2), each level with its
+// own fixed order of the sums; other head dims, and the generic level, the scalar loop.
 
 #include <torch/script.h>
 #include <ATen/ATen.h>
@@ -22,23 +24,57 @@
 #include <cstdint>
 #include <vector>
 
-#include "_native_math.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "level.h"
+#include "native_math.h"
 
 namespace {
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return static_cast<float>(x); }  // exact: bf16 is an fp32's top half
 
-#if defined(__AVX512F__)
-// 16 consecutive values as fp32 (bf16 widened exactly: its bits are the top half of an fp32's).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
+#if GS_AVX512
+// 16 fp32 lanes: one zmm.
+struct V16 {
+  __m512 v;
+};
+inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+// 16 consecutive bf16 as fp32 (widened exactly: a bf16's bits are the top half of an fp32's).
+inline V16 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline V16 zero16() { return {_mm512_setzero_ps()}; }
+inline V16 set16(float x) { return {_mm512_set1_ps(x)}; }
+inline V16 mul16(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 fmadd16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float sum16(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
+constexpr bool kVector = true;
+#elif GS_AVX2
+// 16 fp32 lanes: two ymm.
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V16 load16(const at::BFloat16* p) {
+  return {widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 set16(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 mul16(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 fmadd16(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float sum16(V16 a) {  // (lo + hi), then halves of halves: a fixed order
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+inline void store16(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
 }
 constexpr bool kVector = true;
 #else
@@ -49,25 +85,25 @@ constexpr int64_t kMaxChunks = 16;  // D up to 256 in registers on the vector pa
 constexpr int64_t kHeadsPerPass = 3;  // query heads whose outputs (D/16 zmm each) accumulate together
 
 // One (batch, kv head, row): G query heads over `n` keys whose slots are `slot[0..n)`; out[g * d ..] fp32.
-// The vector path (AVX-512, D a multiple of 16) and the scalar one each fix their order of the sums.
+// The vector path (avx512 / avx2, D a multiple of 16) and the scalar one each fix their order of the sums.
 template <typename T>
 void attend_row(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t key_stride, const int64_t* slot,
                 int64_t n, int64_t g, int64_t d, float scale, float* scores, float* qf, float* acc) {
   for (int64_t h = 0; h < g; ++h)
     for (int64_t e = 0; e < d; ++e) qf[h * d + e] = widen(q[h * q_head_stride + e]);
   const bool vec = kVector && d % 16 == 0 && d / 16 <= kMaxChunks;
-#if defined(__AVX512F__)
+#if GS_AVX512 || GS_AVX2
   if (vec) {
     const int64_t c = d / 16;
     for (int64_t i = 0; i < n; ++i) {  // scores: each key widened once, dotted with every head
       const T* ki = k + slot[i] * key_stride;
-      __m512 kv[kMaxChunks];
+      V16 kv[kMaxChunks];
       for (int64_t x = 0; x < c; ++x) kv[x] = load16(ki + 16 * x);
       for (int64_t h = 0; h < g; ++h) {
         const float* qh = qf + h * d;
-        __m512 s = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
-        for (int64_t x = 1; x < c; ++x) s = _mm512_fmadd_ps(kv[x], _mm512_loadu_ps(qh + 16 * x), s);
-        scores[h * n + i] = _mm512_reduce_add_ps(s) * scale;
+        V16 s = mul16(kv[0], load16(qh));
+        for (int64_t x = 1; x < c; ++x) s = fmadd16(kv[x], load16(qh + 16 * x), s);
+        scores[h * n + i] = sum16(s) * scale;
       }
     }
   } else
@@ -96,24 +132,23 @@ void attend_row(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
     const float inv = 1.f / sum;
     for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
   }
-#if defined(__AVX512F__)
+#if GS_AVX512 || GS_AVX2
   if (vec) {
     const int64_t c = d / 16;
     for (int64_t h0 = 0; h0 < g; h0 += kHeadsPerPass) {  // a few heads at a time: their sums stay in registers
       const int64_t hn = std::min(kHeadsPerPass, g - h0);
-      __m512 ac[kHeadsPerPass][kMaxChunks];
+      V16 ac[kHeadsPerPass][kMaxChunks];
       for (int64_t h = 0; h < hn; ++h)
-        for (int64_t x = 0; x < c; ++x) ac[h][x] = _mm512_setzero_ps();
+        for (int64_t x = 0; x < c; ++x) ac[h][x] = zero16();
       for (int64_t i = 0; i < n; ++i) {
         const T* vi = v + slot[i] * key_stride;
         for (int64_t x = 0; x < c; ++x) {
-          const __m512 vx = load16(vi + 16 * x);
-          for (int64_t h = 0; h < hn; ++h)
-            ac[h][x] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(h0 + h) * n + i]), vx, ac[h][x]);
+          const V16 vx = load16(vi + 16 * x);
+          for (int64_t h = 0; h < hn; ++h) ac[h][x] = fmadd16(set16(scores[(h0 + h) * n + i]), vx, ac[h][x]);
         }
       }
       for (int64_t h = 0; h < hn; ++h)
-        for (int64_t x = 0; x < c; ++x) _mm512_storeu_ps(acc + (h0 + h) * d + 16 * x, ac[h][x]);
+        for (int64_t x = 0; x < c; ++x) store16(acc + (h0 + h) * d + 16 * x, ac[h][x]);
     }
     return;
   }
@@ -200,6 +235,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(graphspec_cpu, m) {
+GS_LIBRARY_FRAGMENT(m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, float scale, int[] lengths, int[] nodes) -> Tensor", &attend);
 }

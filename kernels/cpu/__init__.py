@@ -1,0 +1,227 @@
+"""graphspec's CPU backend: C++ kernels per instruction-set level, behind one entry point and one switch.
+
+- Levels, best first (``LEVELS``): ``avx512`` (AVX-512 F/BW/VL/DQ + BF16 + VNNI), ``avx2`` (AVX2 + FMA +
+  F16C), ``generic`` (plain C++ for any CPU) and ``torch`` (no C++: every op's torch path). Each C++ level
+  is one extension, built on first use from this folder's files with that level's -m flags (``_build``;
+  about a minute on 2 cores, once per machine and level, cached) and registering its ops under
+  ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
+  run every level the machine can execute, not only its best.
+- What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at avx512 and avx2; decode/verify
+  attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
+  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at avx512 only. At the torch level
+  the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
+- The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
+  builds; a failed build warns once, saying why, and the next level down is used) or a level's name (that
+  level, required: an error where the CPU lacks it or it does not build). ``use_level(name)`` pins one for
+  a ``with`` block (tests, benchmarks), ``set_level(name)`` for the process; :func:`level` says which is in
+  force.
+- ``README.md`` beside this file says how to add a level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from graphspec.kernels.cpu._build import CFLAGS, NativeBuildError, build
+
+__all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_vnni", "level",
+           "ops", "runnable_levels", "set_level", "supported_levels", "use_level"]
+
+ENV = "GRAPHSPEC_CPU"
+LEVELS = ("avx512", "avx2", "generic", "torch")
+_C_LEVELS = LEVELS[:-1]
+
+_REQUIRES = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "generic": (),
+    "torch": (),
+}
+"""The /proc/cpuinfo flags a level's binary needs."""
+
+_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mavx2",
+               "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "generic": [],
+}
+
+KERNELS = {
+    "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (vpdpbusd)", "int4 GEMM", "int8 draft forward"),
+    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (vpmaddwd)", "int8 draft forward"),
+    "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward"),
+    "torch": (),
+}
+"""Which C++ kernels each level runs; everything else takes the op's torch path."""
+
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "linear.cpp", _HERE / "attention.cpp", _HERE / "int8_draft.cpp"]
+_OLD_ENVS = {"GRAPHSPEC_CPU_NATIVE", "GRAPHSPEC_INT8_NATIVE"}
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported_levels() -> tuple[str, ...]:
+    """The levels this CPU can execute (not yet built), best first; always ends with generic and torch."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    flags = _cpu_flags()
+    return tuple(lv for lv in LEVELS if not _REQUIRES[lv] or (x86 and set(_REQUIRES[lv]) <= flags))
+
+
+def _missing(name: str) -> str:
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return f"it is an x86 level and this machine is {platform.machine()}"
+    lacking = sorted(set(_REQUIRES[name]) - _cpu_flags())
+    return "this CPU lacks " + ", ".join(lacking)
+
+
+@functools.cache
+def _load(name: str) -> None:
+    """Build (or reuse) and load level ``name``'s extension once per process; NativeBuildError says why not."""
+    ns = f"graphspec_cpu_{name}"
+    build(ns, _SOURCES, f"cpu-{name}", f"graphspec's C++ CPU backend at the {name} level",
+          CFLAGS + _FLAGS[name] + [f"-DGS_NS={ns}"])
+    got = getattr(torch.ops, ns).level()
+    if got != name:
+        raise NativeBuildError(f"the {name} build compiled as level {got!r}: the compiler ignored {_FLAGS[name]}")
+
+
+_failed: dict[str, NativeBuildError] = {}
+_warned: set[str] = set()
+
+
+def _builds(name: str) -> bool:
+    """Whether level ``name`` (a C++ level this CPU supports) is built and loaded; tried once per process."""
+    if name in _failed:
+        return False
+    try:
+        _load(name)
+        return True
+    except NativeBuildError as e:
+        _failed[name] = e
+        return False
+
+
+def runnable_levels() -> tuple[str, ...]:
+    """The levels that run here, best first: those the CPU executes whose C++ builds (building each on first
+    call), then torch."""
+    return tuple(lv for lv in supported_levels() if lv == "torch" or _builds(lv))
+
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("graphspec_cpu_level", default=None)
+_process_level: str | None = None
+
+
+def _check_name(name: str, source: str) -> str:
+    if name not in LEVELS:
+        raise ValueError(f"{source}={name!r} is not a CPU level; use auto or one of {', '.join(LEVELS)}")
+    return name
+
+
+@functools.cache
+def _auto() -> str:
+    for lv in supported_levels():
+        if lv == "torch" or _builds(lv):
+            return lv
+        if lv not in _warned:
+            _warned.add(lv)
+            warnings.warn(f"graphspec: the {lv} level of the C++ CPU backend cannot be used ({_failed[lv]}); "
+                          f"trying the next level down. Install g++ and ninja to build it, or set {ENV} to a "
+                          "lower level (or torch) to choose one and silence this", RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
+def _required(name: str, source: str) -> str:
+    if name != "torch" and name not in supported_levels():
+        raise ValueError(f"{source}={name}, but {_missing(name)}; use auto or one of "
+                         f"{', '.join(supported_levels())}")
+    if name != "torch" and not _builds(name):
+        raise NativeBuildError(f"{source}={name} requires graphspec's C++ CPU backend at that level, but "
+                               f"{_failed[name]}. Install a C++ compiler (g++) and ninja, or use {ENV}=auto")
+    return name
+
+
+def level() -> str:
+    """The level in force: the innermost ``use_level``, else ``set_level``'s, else ``GRAPHSPEC_CPU``, else auto."""
+    name = _override.get() or _process_level
+    if name is not None:
+        return name
+    for old in _OLD_ENVS & os.environ.keys():
+        raise ValueError(f"{old} is gone: graphspec's CPU backend has one switch, {ENV} (auto, {', '.join(LEVELS)}); "
+                         f"{old}=0 is {ENV}=torch. Unset {old}")
+    env = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if env == "auto":
+        return _auto()
+    return _env_level(env)
+
+
+@functools.cache
+def _env_level(env: str) -> str:
+    return _required(_check_name(env, ENV), ENV)
+
+
+@contextlib.contextmanager
+def use_level(name: str) -> Iterator[str]:
+    """Run the CPU ops inside the ``with`` block at level ``name`` ("auto" for the default); an error where it
+    cannot run here."""
+    name = _auto() if name == "auto" else _required(_check_name(name, "level"), "level")
+    token = _override.set(name)
+    try:
+        yield name
+    finally:
+        _override.reset(token)
+
+
+def set_level(name: str | None) -> None:
+    """Pin the level for the whole process (None: back to ``GRAPHSPEC_CPU`` / auto)."""
+    global _process_level
+    _process_level = None if name is None else (_auto() if name == "auto" else _required(_check_name(name, "level"),
+                                                                                          "level"))
+
+
+def available(name: str | None = None) -> bool:
+    """Whether C++ kernels run at ``name`` (default: the level in force): any level but torch."""
+    return (level() if name is None else name) != "torch"
+
+
+def bf16_linear(name: str | None = None) -> bool:
+    """Whether bf16 weights take the C++ linear at ``name`` (default: the level in force): avx512 and avx2."""
+    return (level() if name is None else name) in ("avx512", "avx2")
+
+
+def have_vnni(name: str | None = None) -> bool:
+    """Whether ``name`` (default: the level in force) has the VNNI GEMMs (int4): avx512 only."""
+    return (level() if name is None else name) == "avx512"
+
+
+def ops(name: str | None = None):
+    """The torch ops of level ``name`` (default: the level in force): ``level``, ``supported``, ``pack``,
+    ``unpack``, ``linear``, ``attend``, ``have_vnni``."""
+    name = level() if name is None else name
+    if name == "torch":
+        raise ValueError("the torch level has no C++ ops; check available() first")
+    _load(name)
+    return getattr(torch.ops, f"graphspec_cpu_{name}")
+
+
+def classes(name: str | None = None):
+    """The custom classes of level ``name`` (default: the level in force): ``Int8Linear``, ``Int8Draft``."""
+    ops(name)
+    return getattr(torch.classes, f"graphspec_cpu_{level() if name is None else name}")

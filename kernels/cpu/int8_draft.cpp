@@ -1,0 +1,394 @@
+// The cached forward of an int8 Llama-family model (a draft on the CPU) in C++: graphspec.kernels.cpu.int8_draft.
+//
+// Why: a small draft's step is mostly not its GEMMs. SmolLM2-135M in int8 runs 121 GEMMs a token, and around
+// them some 25 torch ops a layer (norms, rope, cache writes, attention, activations, residual adds), each
+// paying dispatch, allocation and set-up for a few hundred floats. Here those are plain loops over the rows in
+// place, around graphspec's own int8 GEMM (int8_gemm.h) at this file's level.
+//
+// Scope: any batch B with one cache start for all rows, any number of new tokens T; attention over the cache
+// causal (row t sees slots 0 .. start + t) or through a mask [T, start + T] (a draft tree: the row's cached
+// prefix, its ancestors and itself); rope from the caller's cos / signed-sin tables, so any positions. The
+// result is a draft's: fp32 sums in another order than torch's and an exp polynomial (relative error < 3e-7),
+// so logits are not the general forward's bits (tests/kernels/cpu compares them with a tolerance).
+// Speculative decoding stays lossless whatever a draft computes.
+//
+// Weights: Int8Linear objects (one per GEMM weight, made by kernels.linear.Int8Weight for this level and shared
+// with its eager linear): int8 values and per-row scales, packed once for the int8 GEMM, and on request
+// rounded again to int4 (int4_gemm.h, avx512 only).
+
+#include <torch/custom_class.h>
+#include <torch/script.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "level.h"
+#include "int4_gemm.h"
+#include "int8_gemm.h"
+#include "native_math.h"
+
+namespace {
+
+using graphspec_native::fast_exp;    // native_math.h: a polynomial exp, vectorizable, no -ffast-math
+using graphspec_native::Int4Matrix;  // int4_gemm.h: graphspec's int4 GEMM (avx512)
+using graphspec_native::Int8Matrix;  // int8_gemm.h: graphspec's int8 GEMM (every level)
+
+// "int4" runs products of up to this many rows in 4 bits and larger ones (prefills) on the int8 GEMM: past 3
+// rows the int4 loop is compute-bound and slower than the int8 one (perf/RESULTS.md).
+constexpr int64_t kInt4Rows = 3;
+
+// One int8 weight: q int8 [N, K] and fp32 scales [N] (symmetric per output row, as kernels.linear.quantize_weight
+// makes them), packed for this level's int8 GEMM, and its int4 rounding once asked for.
+struct Int8Linear : torch::CustomClassHolder {
+  at::Tensor q, scales;
+  Int8Matrix own;
+  Int4Matrix own4;  // empty until ensure_int4
+
+  Int8Linear(at::Tensor q_, at::Tensor scales_) : q(std::move(q_)), scales(std::move(scales_)) {
+    TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat, "Int8Linear: scales must be 1-d fp32, got ",
+                scales.scalar_type(), " ", scales.sizes());
+    own = graphspec_native::pack_int8(q, scales);
+  }
+  int64_t out_features() const { return own.n; }
+  int64_t in_features() const { return own.k; }
+  // y [rows, N] fp32 = x [rows, K] fp32 times the weight (int8 GEMM).
+  at::Tensor forward(at::Tensor x) const { return graphspec_native::int8_linear(x.contiguous(), own); }
+  // The same through the int4 rounding (packed on first call; avx512 only).
+  at::Tensor forward4(at::Tensor x) {
+    ensure_int4();
+    return graphspec_native::int4_linear(x.contiguous(), own4);
+  }
+  void ensure_int4() {
+    TORCH_CHECK(graphspec_native::have_vnni(), "int8_native: the '", GS_LEVEL_NAME,
+                "' level has no int4 GEMM (it needs avx512's VNNI)");
+    if (own4.n == 0) own4 = graphspec_native::pack_int4(q, scales);
+  }
+  void drop_int4() { own4 = Int4Matrix(); }
+  bool has_int4() const { return own4.n != 0; }
+};
+
+using Linear = c10::intrusive_ptr<Int8Linear>;
+
+// Which GEMM a forward's layers run (Int8Draft::set_gemm).
+enum class Gemm { kInt8, kInt4 };
+
+at::Tensor run_gemm(const Linear& w, const at::Tensor& x, Gemm g) {
+  if (g == Gemm::kInt4 && x.size(0) <= kInt4Rows) return graphspec_native::int4_linear(x, w->own4);
+  return graphspec_native::int8_linear(x, w->own);
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w over n floats (the residual stream's rms norm, fp32)
+inline void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+void check_float(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "int8_native: ", what,
+              " must be a contiguous fp32 CPU tensor, got ", t.scalar_type(), " on ", t.device(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+struct Int8Draft : torch::CustomClassHolder {
+  std::vector<Linear> wqkv, wo, w13, w2;
+  Gemm layers_gemm = Gemm::kInt8;  // the layers' products
+  std::vector<c10::optional<at::Tensor>> bqkv, bo;
+  std::vector<at::Tensor> in_norm, post_norm;
+  at::Tensor norm;
+  int64_t hq, hk, d, hidden;
+  double eps, scale;
+
+  Int8Draft(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size, double rms_eps,
+            double attn_scale, at::Tensor final_norm)
+      : norm(final_norm), hq(num_heads), hk(num_kv_heads), d(head_dim), hidden(hidden_size), eps(rms_eps),
+        scale(attn_scale) {
+    TORCH_CHECK(hq > 0 && hk > 0 && hq % hk == 0, "int8_native: num_heads=", hq, " must be a positive multiple of ",
+                "num_kv_heads=", hk);
+    TORCH_CHECK(d > 0 && d % 2 == 0, "int8_native: head_dim=", d, " must be positive and even (rope)");
+    check_float(norm, "the final norm");
+    TORCH_CHECK(norm.numel() == hidden, "int8_native: the final norm has ", norm.numel(), " values, hidden_size is ",
+                hidden);
+  }
+
+  void add_layer(Linear qkv, c10::optional<at::Tensor> b_qkv, Linear o, c10::optional<at::Tensor> b_o, Linear gate_up,
+                 Linear down, at::Tensor n_in, at::Tensor n_post) {
+    check_float(n_in, "an input norm");
+    check_float(n_post, "a post-attention norm");
+    TORCH_CHECK(n_in.numel() == hidden && n_post.numel() == hidden, "int8_native: a layer's norms must have ",
+                hidden, " values");
+    const int64_t qkv_cols = (hq + 2 * hk) * d;
+    TORCH_CHECK(qkv->in_features() == hidden && qkv->out_features() == qkv_cols && o->in_features() == hq * d &&
+                    o->out_features() == hidden && gate_up->in_features() == hidden &&
+                    gate_up->out_features() % 2 == 0 && down->in_features() == gate_up->out_features() / 2 &&
+                    down->out_features() == hidden,
+                "int8_native: a layer's weights do not fit hidden_size=", hidden, ", ", hq, "/", hk, " heads of ", d);
+    if (b_qkv) {
+      check_float(*b_qkv, "a qkv bias");
+      TORCH_CHECK(b_qkv->numel() == qkv_cols, "int8_native: the qkv bias must have ", qkv_cols, " values");
+    }
+    if (b_o) {
+      check_float(*b_o, "an o_proj bias");
+      TORCH_CHECK(b_o->numel() == hidden, "int8_native: the o_proj bias must have ", hidden, " values");
+    }
+    if (layers_gemm == Gemm::kInt4)
+      for (const Linear* w : {&qkv, &o, &gate_up, &down}) (*w)->ensure_int4();
+    wqkv.push_back(std::move(qkv));
+    bqkv.push_back(b_qkv);
+    wo.push_back(std::move(o));
+    bo.push_back(b_o);
+    w13.push_back(std::move(gate_up));
+    w2.push_back(std::move(down));
+    in_norm.push_back(n_in);
+    post_norm.push_back(n_post);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(wqkv.size()); }
+
+  // Which GEMM the layers run: "int8" (int8_gemm.h, every level) or "int4" (the layers' products of up to
+  // kInt4Rows rows rounded again to 4 bits, int4_gemm.h, packed on the first switch; avx512 only). The lm_head
+  // always runs int8.
+  std::string gemm() const { return layers_gemm == Gemm::kInt4 ? "int4" : "int8"; }
+  void set_gemm(const std::string& name) {
+    TORCH_CHECK(name == "int8" || name == "int4", "int8_native: gemm must be 'int8' or 'int4', got '", name, "'");
+    if (name == "int4")
+      for (auto* ws : {&wqkv, &wo, &w13, &w2})
+        for (Linear& w : *ws) w->ensure_int4();
+    layers_gemm = name == "int4" ? Gemm::kInt4 : Gemm::kInt8;
+  }
+  // Frees the int4 copies (the layers' products must not be running on them).
+  void drop_int4() {
+    TORCH_CHECK(layers_gemm != Gemm::kInt4, "int8_native: the forward runs the int4 GEMM; set_gemm('int8') first");
+    for (auto* ws : {&wqkv, &wo, &w13, &w2})
+      for (Linear& w : *ws) w->drop_int4();
+  }
+
+  // q . k over D floats, in a fixed order per level.
+  float dot(const float* q, const float* k) const {
+    const int64_t D = d;
+#if GS_AVX512
+    if (D % 16 == 0) {  // one fp32 sum a lane, then one horizontal add
+      __m512 v = _mm512_setzero_ps();
+      for (int64_t j = 0; j < D; j += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), v);
+      return _mm512_reduce_add_ps(v);
+    }
+#elif GS_AVX2
+    if (D % 8 == 0) {
+      __m256 v = _mm256_setzero_ps();
+      for (int64_t j = 0; j < D; j += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), v);
+      __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+      r = _mm_add_ss(r, _mm_movehdup_ps(r));
+      return _mm_cvtss_f32(r);
+    }
+#endif
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < D; ++j) acc += q[j] * k[j];
+    return acc;
+  }
+
+  // One row's attention: one query per q head over the cache slots slot[0 .. n) ([S, hk, D] rows of k and v).
+  void attend(const float* q, const float* kb, const float* vb, float* out, float* scores, const int64_t* slot,
+              int64_t n) const {
+    const int64_t D = d, group = hq / hk, row = hk * D;
+    const float sc = static_cast<float>(scale);
+    for (int64_t i = 0; i < n; ++i) {  // scores [hq, n]: each key row read once, in slot order
+      const float* kr = kb + slot[i] * row;
+      for (int64_t h = 0; h < hq; ++h) scores[h * n + i] = dot(q + h * D, kr + (h / group) * D) * sc;
+    }
+    for (int64_t h = 0; h < hq; ++h) {
+      float* sr = scores + h * n;
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        sr[i] = fast_exp(sr[i] - mx);
+        sum += sr[i];
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
+      std::fill(out + h * D, out + (h + 1) * D, 0.f);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = vb + slot[i] * row;
+      for (int64_t h = 0; h < hq; ++h) {
+        const float p = scores[h * n + i];
+        const float* vh = vr + (h / group) * D;
+        float* o = out + h * D;
+#pragma omp simd
+        for (int64_t j = 0; j < D; ++j) o[j] += p * vh[j];
+      }
+    }
+  }
+
+  // h [B, T, H] fp32 embeddings of the new tokens; cos, sin [B, T, 1, D] (sin signed: rope_tables); caches
+  // [B, capacity, hk, D] fp32, slots start .. start+T-1 written here; head: the lm_head (or a pruned one);
+  // rows: the rows of each sequence whose logits are wanted (None: all); mask: None (causal) or bool
+  // [T, start + T], row t attending to slot s where mask[t, s]. Returns logits [B, n, V] fp32.
+  at::Tensor forward(at::Tensor h_in, at::Tensor cos_t, at::Tensor sin_t, int64_t start, std::vector<at::Tensor> kc,
+                     std::vector<at::Tensor> vc, Linear head, c10::optional<at::Tensor> rows,
+                     c10::optional<at::Tensor> mask) {
+    const int64_t H = hidden, D = d, half = D / 2, L = num_layers();
+    TORCH_CHECK(h_in.dim() == 3 && h_in.size(2) == H && h_in.size(0) >= 1, "int8_native: h must be [B, T, ", H,
+                "], got ", h_in.sizes());
+    const int64_t B = h_in.size(0), T = h_in.size(1), BT = B * T;
+    TORCH_CHECK(T >= 1, "int8_native: no tokens to run");
+    check_float(cos_t, "cos");
+    check_float(sin_t, "sin");
+    TORCH_CHECK(cos_t.numel() == BT * D && sin_t.numel() == BT * D, "int8_native: cos and sin must hold [B, T, ", D,
+                "] values for B=", B, ", T=", T, ", got ", cos_t.sizes(), " and ", sin_t.sizes());
+    TORCH_CHECK(static_cast<int64_t>(kc.size()) == L && static_cast<int64_t>(vc.size()) == L, "int8_native: ", L,
+                " layers but ", kc.size(), " key and ", vc.size(), " value caches");
+    TORCH_CHECK(start >= 0, "int8_native: start=", start);
+    TORCH_CHECK(head->in_features() == H, "int8_native: the head takes ", head->in_features(), " inputs, not ", H);
+    int64_t cap = 0;
+    for (int64_t i = 0; i < L; ++i) {
+      for (const at::Tensor* c : {&kc[i], &vc[i]}) {
+        check_float(*c, "a KV cache");
+        TORCH_CHECK(c->dim() == 4 && c->size(0) == B && c->size(2) == hk && c->size(3) == D &&
+                        c->size(1) >= start + T && (i == 0 || c->size(1) == cap),
+                    "int8_native: a KV cache must be [", B, ", >= ", start + T, ", ", hk, ", ", D, "], got ", c->sizes());
+        cap = c->size(1);
+      }
+    }
+    // Each row's slots: the causal prefix, or the mask's.
+    const int64_t len = start + T;
+    std::vector<int64_t> slots(T * len), counts(T);
+    if (mask) {
+      TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == T && mask->size(1) == len,
+                  "int8_native: the mask must be bool [", T, ", ", len, "], got ", mask->scalar_type(), " ",
+                  mask->sizes());
+      const at::Tensor m = mask->contiguous();
+      const bool* mp = m.data_ptr<bool>();
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t s = 0; s < len; ++s)
+          if (mp[t * len + s]) slots[t * len + counts[t]++] = s;
+        TORCH_CHECK(counts[t] > 0, "int8_native: mask row ", t, " attends to nothing");
+      }
+    } else {
+      for (int64_t t = 0; t < T; ++t) {
+        counts[t] = start + t + 1;
+        for (int64_t s = 0; s < counts[t]; ++s) slots[t * len + s] = s;
+      }
+    }
+    at::Tensor h = h_in.to(at::kFloat).reshape({BT, H}).clone();  // the residual stream, updated in place
+    at::Tensor xn = at::empty({BT, H}, h.options());
+    at::Tensor att = at::empty({BT, hq * D}, h.options());
+    std::vector<float> q(hq * D), scores(hq * len);
+    float* hp = h.data_ptr<float>();
+    float* xp = xn.data_ptr<float>();
+    float* ap = att.data_ptr<float>();
+    const at::Tensor cos_c = cos_t.contiguous(), sin_c = sin_t.contiguous();
+    const float* cs = cos_c.data_ptr<float>();
+    const float* sn = sin_c.data_ptr<float>();
+    const float e = static_cast<float>(eps);
+    const int64_t qkv_cols = (hq + 2 * hk) * D, seq = cap * hk * D;
+    for (int64_t i = 0; i < L; ++i) {
+      const float* w_in = in_norm[i].data_ptr<float>();
+      for (int64_t r = 0; r < BT; ++r) rms_norm(hp + r * H, w_in, xp + r * H, H, e);
+      at::Tensor qkv = run_gemm(wqkv[i], xn, layers_gemm);
+      if (bqkv[i]) qkv.add_(*bqkv[i]);
+      // rope q and k, write k and v of every row into its slot, then attend (a row's keys are all written first:
+      // with a mask a row may see later new tokens' slots only if the mask says so, and those are written too)
+      for (int64_t b = 0; b < B; ++b) {
+        float* kb = kc[i].data_ptr<float>() + b * seq;
+        float* vb = vc[i].data_ptr<float>() + b * seq;
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t r = b * T + t;
+          const float* row = qkv.data_ptr<float>() + r * qkv_cols;
+          const float* c = cs + r * D;
+          const float* s = sn + r * D;
+          float* kslot = kb + (start + t) * hk * D;
+          for (int64_t hh = hq; hh < hq + hk; ++hh) {
+            const float* x = row + hh * D;
+            float* y = kslot + (hh - hq) * D;
+            for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + x[j + half] * s[j];
+            for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
+          }
+          std::memcpy(vb + (start + t) * hk * D, row + (hq + hk) * D, sizeof(float) * hk * D);
+        }
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t r = b * T + t;
+          const float* row = qkv.data_ptr<float>() + r * qkv_cols;
+          const float* c = cs + r * D;
+          const float* s = sn + r * D;
+          for (int64_t hh = 0; hh < hq; ++hh) {  // x * cos + roll(x, D/2) * signed_sin: rotate-half rope
+            const float* x = row + hh * D;
+            float* y = q.data() + hh * D;
+            for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + x[j + half] * s[j];
+            for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
+          }
+          attend(q.data(), kb, vb, ap + r * hq * D, scores.data(), slots.data() + t * len, counts[t]);
+        }
+      }
+      at::Tensor o = run_gemm(wo[i], att, layers_gemm);
+      if (bo[i]) o.add_(*bo[i]);
+      const float* op = o.data_ptr<float>();
+      const float* w_post = post_norm[i].data_ptr<float>();
+      for (int64_t r = 0; r < BT; ++r) {
+        float* hr = hp + r * H;
+#pragma omp simd
+        for (int64_t j = 0; j < H; ++j) hr[j] += op[r * H + j];
+        rms_norm(hr, w_post, xp + r * H, H, e);
+      }
+      at::Tensor gu = run_gemm(w13[i], xn, layers_gemm);  // [BT, 2I]: gate then up
+      const int64_t I = gu.size(1) / 2;
+      at::Tensor act = at::empty({BT, I}, h.options());
+      float* gp = gu.data_ptr<float>();
+      float* actp = act.data_ptr<float>();
+      for (int64_t r = 0; r < BT; ++r) {
+        const float* g = gp + r * 2 * I;
+        float* a = actp + r * I;
+#pragma omp simd
+        for (int64_t j = 0; j < I; ++j) a[j] = g[j] / (1.f + fast_exp(-g[j])) * g[j + I];  // silu(gate) * up
+      }
+      at::Tensor dn = run_gemm(w2[i], act, layers_gemm);
+      const float* dp = dn.data_ptr<float>();
+#pragma omp simd
+      for (int64_t j = 0; j < BT * H; ++j) hp[j] += dp[j];
+    }
+    at::Tensor h3 = h.view({B, T, H});
+    at::Tensor last = rows ? h3.index_select(1, rows->to(at::kLong)) : h3;
+    const int64_t n = last.size(1);
+    last = last.reshape({B * n, H}).contiguous();
+    const int64_t V = head->out_features();
+    if (n == 0) return at::empty({B, 0, V}, h.options());  // no rows wanted (a caller's empty logits_for)
+    at::Tensor out = at::empty({B * n, H}, h.options());
+    for (int64_t r = 0; r < B * n; ++r)
+      rms_norm(last.data_ptr<float>() + r * H, norm.data_ptr<float>(), out.data_ptr<float>() + r * H, H, e);
+    return graphspec_native::int8_linear(out, head->own).view({B, n, V});
+  }
+};
+
+}  // namespace
+
+GS_LIBRARY_FRAGMENT(m) {
+  m.class_<Int8Linear>("Int8Linear")
+      .def(torch::init<at::Tensor, at::Tensor>())
+      .def("forward", &Int8Linear::forward)
+      .def("forward4", &Int8Linear::forward4)
+      .def("drop_int4", &Int8Linear::drop_int4)
+      .def("has_int4", &Int8Linear::has_int4)
+      .def("out_features", &Int8Linear::out_features)
+      .def("in_features", &Int8Linear::in_features);
+  m.class_<Int8Draft>("Int8Draft")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def("add_layer", &Int8Draft::add_layer)
+      .def("num_layers", &Int8Draft::num_layers)
+      .def("gemm", &Int8Draft::gemm)
+      .def("set_gemm", &Int8Draft::set_gemm)
+      .def("drop_int4", &Int8Draft::drop_int4)
+      .def("forward", &Int8Draft::forward);
+  m.def("have_vnni() -> bool", [] { return graphspec_native::have_vnni(); });
+}

@@ -1,0 +1,64 @@
+"""The int8 draft's cached forward in C++ (``int8_draft.cpp``), at the CPU backend's level in force.
+
+Why: a small draft's forward is mostly the work around its GEMMs (about 25 torch ops a layer, each with
+dispatch and allocation for a few hundred floats); the C++ runs the same maths as loops in place, around
+graphspec's int8 GEMM (``int8_gemm.h``).
+
+- What runs here: every cached forward of an int8 model (``quantize="int8"`` or ``"int4"``, always a draft):
+  any batch, chains and draft trees (a mask). ``Transformer._forward_int8`` calls it at every C++ level; at the
+  torch level the general forward runs instead, on :func:`graphspec.kernels.linear.int8_linear_ref`.
+- The weights are the model's ``Int8Weight``\\ s packed for the level (``Int8Weight.native``), shared with
+  their eager ``linear``: no second copy.
+- ``quantize="int4"`` models start on the "int4" GEMM (``int4_gemm.h``, avx512 only): the layers' products
+  of up to 3 rows with the int8 weights rounded again to 4 bits in groups of 64 inputs, packed on the first
+  switch (about 0.56x the int8 bytes more); larger ones and the lm_head on the int8 GEMM.
+  ``draft_for(model).set_gemm("int8" | "int4")`` switches one model; ``using_gemm`` for a block.
+- Numerics: not the general forward's bits (fp32 sums in another order, a polynomial exp), with the same
+  int8 GEMM; a draft may compute anything without breaking losslessness, and the pipeline's exactness tests
+  run through this path too. This module reads the model's fields (``layers``, ``config``, ``norm``, ``scale``,
+  ``quantize``) by name; it imports nothing from graphspec.models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from graphspec.kernels import cpu
+
+__all__ = ["draft_for", "using_gemm"]
+
+
+def draft_for(model, level: str | None = None):
+    """The level's C++ ``Int8Draft`` holding ``model``'s int8 layers (made once per model and level; rebuilt
+    if the layers change). ``level``: default the level in force; never torch."""
+    level = cpu.level() if level is None else level
+    layers = model.layers
+    key = (level,) + tuple(id(x) for layer in layers for x in (layer.wqkv, layer.wo, layer.w13, layer.w2)) + (
+        id(model.norm),)
+    held = model.__dict__.setdefault("_int8_native", {})
+    found = held.get(level)
+    if found is not None and found[0] == key:
+        return found[1]
+    c = model.config
+    obj = cpu.classes(level).Int8Draft(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
+                                       float(c.rms_norm_eps), float(model.scale), model.norm.contiguous())
+    if model.quantize == "int4":
+        obj.set_gemm("int4")
+    for layer in layers:
+        obj.add_layer(layer.wqkv.native(level), layer.bqkv, layer.wo.native(level), layer.bo,
+                      layer.w13.native(level), layer.w2.native(level), layer.input_norm.contiguous(),
+                      layer.post_norm.contiguous())
+    held[level] = (key, obj)
+    return obj
+
+
+@contextlib.contextmanager
+def using_gemm(model, name: str):
+    """Inside the block ``model``'s C++ forward runs ``name``'s GEMM ("int8" or "int4"); then what it ran before."""
+    draft = draft_for(model)
+    before = draft.gemm()
+    draft.set_gemm(name)
+    try:
+        yield draft
+    finally:
+        draft.set_gemm(before)

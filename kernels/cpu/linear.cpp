@@ -1,0 +1,255 @@
+// bf16 linear layers on the CPU: graphspec.kernels.linear's own CPU kernel (graphspec.kernels.cpu), at the
+// avx512 level (vdpbf16ps) and the avx2 level (bf16 widened to fp32 in registers, FMA).
+//
+// Why: a decode step reads every weight once, so its GEMMs should run at the memory bandwidth, and torch's
+// bf16 products do not on one core of the project's machines (oneDNN's on AVX-512, and without native bf16 it
+// emulates). This file's loop reads the weight once, as one stream per 16 outputs, and multiplies it with
+// several rows of x held in registers.
+//
+// Layout (both levels): a [N, K] weight becomes [ceil(N / 16), ceil(K / 2), 16, 2] bf16 (zero padded): for
+// each block of 16 outputs and each pair of inputs k, k + 1, the 16 outputs' two weights side by side. avx512:
+// what vdpbf16ps multiplies with a broadcast pair (x[m, k], x[m, k + 1]). avx2: 8 outputs' pairs per ymm, whose
+// even halves shifted left by 16 and odd halves masked are the fp32 weights of k and k + 1.
+//
+// Numerics: each output is one fp32 sum over k in a fixed order, plus the bias, rounded to bf16 to nearest
+// even. avx512: pairs k, k + 1 in turn, each pair's two products added as vdpbf16ps does (denormals flushed,
+// as in oneDNN's bf16 kernels). avx2: fma(w[k], x[k], acc) for k = 0, 1, 2, ... in turn (a bf16 x bf16
+// product is exact in fp32, so this is the plain sequential sum). Nothing in that order depends on the number
+// of rows, on which other rows share the product, or on the thread count: a row comes out bit-identical
+// whether it is computed alone (a decode step), in a verify of K + 1 rows, or in a prefill, which keeps greedy
+// speculative output equal to autoregressive output in bf16. The two levels round differently from each other.
+//
+// Threads: torch's intra-op pool (at::parallel_for) over groups of blocks of outputs; each output is written by
+// one thread.
+
+#include <torch/script.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "level.h"
+
+#define GS_HAVE_BF16 (GS_AVX512 || GS_AVX2)
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // outputs per block: one zmm of fp32 sums
+#if GS_AVX512
+constexpr int kMaxRows = 8;  // rows of x per register tile: 8 x 3 or 6 x 4 sums of the 32 zmm
+#else
+constexpr int kMaxRows = 4;  // 4 rows x 2 ymm sums + 4 weights + 2 broadcasts of the 16 ymm
+#endif
+
+bool supported() { return GS_HAVE_BF16 != 0; }
+
+void check_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "linear_cpu.pack: the weight must be 2-d [N, K], got ", w.dim(), " dimensions");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_cpu.pack: the weight must be bf16, got ", w.scalar_type());
+  TORCH_CHECK(w.device().is_cpu(), "linear_cpu.pack: the weight must be on the CPU");
+}
+
+void check_packed(const at::Tensor& p, int64_t n, int64_t k) {
+  TORCH_CHECK(p.dim() == 4 && p.size(2) == kBlock && p.size(3) == 2 && p.scalar_type() == at::kBFloat16 &&
+                  p.is_contiguous() && p.device().is_cpu(),
+              "linear_cpu: the packed weight must be a contiguous CPU bf16 [N/16, K/2, 16, 2] tensor from pack()");
+  TORCH_CHECK(n > 0 && k > 0 && p.size(0) == (n + kBlock - 1) / kBlock && p.size(1) == (k + 1) / 2,
+              "linear_cpu: packed weight of shape ", p.sizes(), " does not hold a [", n, ", ", k, "] weight");
+}
+
+at::Tensor pack(const at::Tensor& w) {
+  check_weight(w);
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n > 0 && k > 0, "linear_cpu.pack: empty weight [", n, ", ", k, "]");
+  const int64_t nb = (n + kBlock - 1) / kBlock, kp = (k + 1) / 2;
+  at::Tensor padded = at::zeros({nb * kBlock, kp * 2}, w.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
+  return padded.view({nb, kBlock, kp, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor unpack(const at::Tensor& p, int64_t n, int64_t k) {
+  check_packed(p, n, k);
+  const int64_t nb = p.size(0), kp = p.size(1);
+  return p.permute({0, 2, 1, 3}).reshape({nb * kBlock, kp * 2}).narrow(0, 0, n).narrow(1, 0, k).contiguous();
+}
+
+#if GS_AVX512
+
+// y[m, b*16 .. b*16 + 15] for M rows and NB consecutive blocks b0 .. b0 + NB - 1 (the last may be partial:
+// `valid` outputs of it are stored). x: M rows of kp uint32 (bf16 pairs), row stride ldx; w: the packed weight.
+template <int M, int NB>
+inline void tile(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict w, int64_t kp,
+                 const float* __restrict bias, at::BFloat16* __restrict y, int64_t ldy, int64_t b0, int64_t n) {
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  const uint32_t* wj[NB];
+  for (int j = 0; j < NB; ++j) wj[j] = w + (b0 + j) * kp * kBlock;
+  for (int64_t k = 0; k < kp; ++k) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wj[j] + k * kBlock);
+    for (int m = 0; m < M; ++m) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[m * ldx + k]));
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)wv[j], (__m512bh)xb);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t first = (b0 + j) * kBlock;
+    const int64_t valid = n - first < kBlock ? n - first : kBlock;
+    const __mmask16 mask = valid == kBlock ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc[j][m], bv));
+      _mm256_mask_storeu_epi16(reinterpret_cast<void*>(y + m * ldy + first), mask, (__m256i)o);
+    }
+  }
+}
+
+// One register tile: `rows` rows (1..8) x `width` blocks (1..4) of sums, at most 28 of the 32 zmm registers.
+void tile_any(int rows, int width, const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t kp, const float* bias,
+              at::BFloat16* y, int64_t ldy, int64_t b0, int64_t n) {
+  switch (rows * 8 + width) {
+#define GS_TILE(R, W) \
+  case R * 8 + W: tile<R, W>(x, ldx, w, kp, bias, y, ldy, b0, n); return;
+#define GS_ROWS(R) GS_TILE(R, 1) GS_TILE(R, 2) GS_TILE(R, 3) GS_TILE(R, 4)
+    GS_ROWS(1) GS_ROWS(2) GS_ROWS(3) GS_ROWS(4) GS_ROWS(5) GS_ROWS(6)
+    GS_TILE(7, 1) GS_TILE(7, 2) GS_TILE(7, 3) GS_TILE(8, 1) GS_TILE(8, 2) GS_TILE(8, 3)
+#undef GS_ROWS
+#undef GS_TILE
+    default: TORCH_CHECK(false, "linear_cpu: internal error, a ", rows, " x ", width, " tile");
+  }
+}
+
+#endif  // GS_AVX512
+
+#if GS_AVX2
+
+// 8 fp32 sums -> 8 bf16, rounded to nearest even as c10::BFloat16 does (NaN -> a quiet NaN), in the low 128 bits.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: r0..3 r0..3 | r4..7 r4..7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // r0..3 r4..7
+}
+
+// y[m, b*16 .. b*16 + 15] for M rows and one block b (the last may be partial). x: M rows of fp32, row stride ldx
+// (2 * kp, zero padded); w: the packed weight as uint32 pairs.
+template <int M>
+inline void tile(const float* __restrict x, int64_t ldx, const uint32_t* __restrict w, int64_t kp,
+                 const float* __restrict bias, at::BFloat16* __restrict y, int64_t ldy, int64_t b, int64_t n) {
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const uint32_t* wb = w + b * kp * kBlock;
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kp; ++k) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * kBlock));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * kBlock + 8));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd));
+    for (int m = 0; m < M; ++m) {
+      const __m256 xe = _mm256_broadcast_ss(x + m * ldx + 2 * k), xo = _mm256_broadcast_ss(x + m * ldx + 2 * k + 1);
+      acc[m][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[m][0]));
+      acc[m][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[m][1]));
+    }
+  }
+  const int64_t first = b * kBlock;
+  const int64_t valid = n - first < kBlock ? n - first : kBlock;
+  alignas(32) float bb[kBlock] = {0.f};
+  if (bias) std::memcpy(bb, bias + first, sizeof(float) * valid);
+  const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
+  for (int m = 0; m < M; ++m) {
+    alignas(32) at::BFloat16 out[kBlock];
+    _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(_mm256_add_ps(acc[m][0], b0)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16(_mm256_add_ps(acc[m][1], b1)));
+    std::memcpy(y + m * ldy + first, out, sizeof(at::BFloat16) * valid);
+  }
+}
+
+void tile_rows(int rows, const float* x, int64_t ldx, const uint32_t* w, int64_t kp, const float* bias,
+               at::BFloat16* y, int64_t ldy, int64_t b, int64_t n) {
+  switch (rows) {
+    case 1: tile<1>(x, ldx, w, kp, bias, y, ldy, b, n); return;
+    case 2: tile<2>(x, ldx, w, kp, bias, y, ldy, b, n); return;
+    case 3: tile<3>(x, ldx, w, kp, bias, y, ldy, b, n); return;
+    case 4: tile<4>(x, ldx, w, kp, bias, y, ldy, b, n); return;
+    default: TORCH_CHECK(false, "linear_cpu: internal error, a ", rows, "-row tile");
+  }
+}
+
+#endif  // GS_AVX2
+
+// y [M, N] = x [M, K] @ W^T (+ bias), bf16 in and out, fp32 sums; `p` from pack().
+at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supported(), "linear_cpu: the ", GS_LEVEL_NAME, " level has no bf16 linear (avx512 and avx2 do)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "linear_cpu.linear: x must be a 2-d CPU bf16 tensor [M, K]");
+  const int64_t rows = x.size(0), k = x.size(1);
+  check_packed(p, n, k);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_cpu.linear: bias must have N = ", n, " elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+#if GS_HAVE_BF16
+  const int64_t kp = p.size(1), nb = p.size(0);
+  const auto* ws = reinterpret_cast<const uint32_t*>(p.data_ptr());
+  const float* bs = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto* ys = y.data_ptr<at::BFloat16>();
+  // Tasks of 12 blocks (192 outputs). More than kMaxRows rows (a wide verify, a prefill) go in equal chunks (9
+  // as 5 + 4, not 8 + 1: a 1-row chunk leaves the multipliers waiting on one sum), and a tile multiplies every
+  // chunk in turn, so its weights are re-read from cache, not from memory.
+  constexpr int64_t kGroup = 12;
+  const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t step = (rows + chunks - 1) / chunks;
+#if GS_AVX512
+  at::Tensor xp = x;
+  if (k % 2 != 0 || !x.is_contiguous()) {  // pairs of k: pad an odd K with a zero column
+    xp = at::zeros({rows, kp * 2}, x.options());
+    xp.narrow(1, 0, k).copy_(x);
+  }
+  const auto* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr());
+  const int64_t width = step <= 6 ? 4 : 3;  // a multiple of both widths divides kGroup
+  at::parallel_for(0, (nb + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t b_end = g1 * kGroup < nb ? g1 * kGroup : nb;
+    for (int64_t b = g0 * kGroup; b < b_end; b += width) {
+      const int w = static_cast<int>(b_end - b < width ? b_end - b : width);
+      for (int64_t r = 0; r < rows; r += step) {
+        const int chunk = static_cast<int>(rows - r < step ? rows - r : step);
+        tile_any(chunk, w, xs + r * kp, kp, ws, kp, bs, ys + r * n, n, b, n);
+      }
+    }
+  });
+#elif GS_AVX2
+  at::Tensor xf = at::zeros({rows, kp * 2}, x.options().dtype(at::kFloat));  // x widened once, K padded to pairs
+  xf.narrow(1, 0, k).copy_(x);
+  const float* xs = xf.data_ptr<float>();
+  at::parallel_for(0, (nb + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    const int64_t b_end = g1 * kGroup < nb ? g1 * kGroup : nb;
+    for (int64_t b = g0 * kGroup; b < b_end; ++b)
+      for (int64_t r = 0; r < rows; r += step) {
+        const int chunk = static_cast<int>(rows - r < step ? rows - r : step);
+        tile_rows(chunk, xs + r * kp * 2, kp * 2, ws, kp, bs, ys + r * n, n, b, n);
+      }
+  });
+#endif
+#endif
+  return y;
+}
+
+}  // namespace
+
+GS_LIBRARY(m) {
+  m.def("level() -> str", [] { return std::string(GS_LEVEL_NAME); });
+  m.def("supported() -> bool", &supported);
+  m.def("pack(Tensor w) -> Tensor", &pack);
+  m.def("unpack(Tensor p, int n, int k) -> Tensor", &unpack);
+  m.def("linear(Tensor x, Tensor p, int n, Tensor? bias) -> Tensor", &linear);
+}
