@@ -96,6 +96,8 @@ def _missing(name: str) -> str:
 def _load(name: str) -> None:
     """Build (or reuse) and load level ``name``'s extension once per process; NativeBuildError says why not."""
     ns = f"graphspec_cpu_{name}"
+    if hasattr(getattr(torch.ops, ns), "level"):  # loaded already (a library registers its ops once a process)
+        return
     build(ns, _SOURCES, f"cpu-{name}", f"graphspec's C++ CPU backend at the {name} level",
           CFLAGS + _FLAGS[name] + [f"-DGS_NS={ns}"])
     got = getattr(torch.ops, ns).level()

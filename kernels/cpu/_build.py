@@ -85,6 +85,9 @@ def build(name: str, sources: list[Path], prefix: str, what: str, cflags: list[s
         if not built:
             print(f"graphspec: building {what} (once per machine, about a minute) in {out} ...", file=sys.stderr,
                   flush=True)
+        # torch's own lock file in the folder: under our lock nobody else builds here, so one that exists was left
+        # by a build that was killed, and torch would wait for it forever.
+        (out / "lock").unlink(missing_ok=True)
         try:
             cpp_extension.load(name, [str(src) for src in sources], extra_cflags=cflags,
                                extra_include_paths=[str(INCLUDE)], build_directory=str(out), is_python_module=False,
