@@ -190,20 +190,28 @@ inline void int8_tile_avx2(const uint64_t* u16, int64_t ldu, const int8_t* w, in
                            const int32_t* xz, const float* ws, const int32_t* rs, float* y, int64_t ldy, int64_t f0,
                            int64_t n) {
   __m256i acc[M][4];  // acc[m][q]: outputs 4q .. 4q + 3, two partial sums each
+#pragma GCC unroll 2
   for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_setzero_si256();
+  // Fully unrolled (the pragmas): a sum indexed by a loop variable stays in memory (a load and a store a step).
   for (int64_t g = 0; g < kq; ++g) {
     __m256i ub[M];
+#pragma GCC unroll 2
     for (int m = 0; m < M; ++m) ub[m] = _mm256_set1_epi64x(static_cast<long long>(u16[m * ldu + g]));
     const int8_t* wg = w + g * kI8Block * 4;
+#pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
       const __m256i wq = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * q)));
+#pragma GCC unroll 2
       for (int m = 0; m < M; ++m) acc[m][q] = _mm256_add_epi32(acc[m][q], _mm256_madd_epi16(wq, ub[m]));
     }
   }
   const int64_t valid = std::min<int64_t>(kI8Block, n - f0);
+#pragma GCC unroll 2
   for (int m = 0; m < M; ++m) {
     alignas(32) float out[kI8Block];
+#pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       // hadd within 128-bit lanes gives outputs (0 1 4 5 | 2 3 6 7) of these 8; the permute puts them in order
       const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][2 * half], acc[m][2 * half + 1]), 0xD8);

@@ -138,47 +138,68 @@ inline __m128i to_bf16(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // r0..3 r4..7
 }
 
-// y[m, b*16 .. b*16 + 15] for M rows and one block b (the last may be partial). x: M rows of fp32, row stride ldx
-// (2 * kp, zero padded); w: the packed weight as uint32 pairs.
-template <int M>
+inline __m256 fma(__m256 acc, __m256 a, __m256 b) { return _mm256_fmadd_ps(a, b, acc); }
+
+// y[m, b*16 .. (b + NB)*16) for M rows and NB consecutive blocks from b (the last may be partial). x: M rows of
+// fp32, row stride ldx (2 * kp, zero padded); w: the packed weight as uint32 pairs. Each sum takes two
+// dependent FMAs a step, so a tile holds 6-8 of them to cover the FMA latency: 1 row x 4 blocks, 2 x 2, 3-4 x 1.
+template <int M, int NB>
 inline void tile(const float* __restrict x, int64_t ldx, const uint32_t* __restrict w, int64_t kp,
                  const float* __restrict bias, at::BFloat16* __restrict y, int64_t ldy, int64_t b, int64_t n) {
-  __m256 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  const uint32_t* wb = w + b * kp * kBlock;
+  __m256 acc[M][NB][2];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // Every loop over the sums fully unrolled (the pragmas, here and around): a sum indexed by a loop variable
+  // stays in memory, stored every step and, short of registers, reloaded.
   for (int64_t k = 0; k < kp; ++k) {
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * kBlock));
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * kBlock + 8));
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd));
-    for (int m = 0; m < M; ++m) {
-      const __m256 xe = _mm256_broadcast_ss(x + m * ldx + 2 * k), xo = _mm256_broadcast_ss(x + m * ldx + 2 * k + 1);
-      acc[m][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[m][0]));
-      acc[m][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[m][1]));
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const uint32_t* wk = w + ((b + j) * kp + k) * kBlock;
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd));
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {  // each x value broadcast once per block: the loads, not the FMAs, bound this
+        const __m256 xe = _mm256_broadcast_ss(x + m * ldx + 2 * k), xo = _mm256_broadcast_ss(x + m * ldx + 2 * k + 1);
+        acc[m][j][0] = fma(fma(acc[m][j][0], e0, xe), o0, xo);
+        acc[m][j][1] = fma(fma(acc[m][j][1], e1, xe), o1, xo);
+      }
     }
   }
-  const int64_t first = b * kBlock;
-  const int64_t valid = n - first < kBlock ? n - first : kBlock;
-  alignas(32) float bb[kBlock] = {0.f};
-  if (bias) std::memcpy(bb, bias + first, sizeof(float) * valid);
-  const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
-  for (int m = 0; m < M; ++m) {
-    alignas(32) at::BFloat16 out[kBlock];
-    _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(_mm256_add_ps(acc[m][0], b0)));
-    _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16(_mm256_add_ps(acc[m][1], b1)));
-    std::memcpy(y + m * ldy + first, out, sizeof(at::BFloat16) * valid);
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    const int64_t first = (b + j) * kBlock;
+    const int64_t valid = n - first < kBlock ? n - first : kBlock;
+    alignas(32) float bb[kBlock] = {0.f};
+    if (bias) std::memcpy(bb, bias + first, sizeof(float) * valid);
+    const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      alignas(32) at::BFloat16 out[kBlock];
+      _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(_mm256_add_ps(acc[m][j][0], b0)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16(_mm256_add_ps(acc[m][j][1], b1)));
+      std::memcpy(y + m * ldy + first, out, sizeof(at::BFloat16) * valid);
+    }
   }
 }
 
-void tile_rows(int rows, const float* x, int64_t ldx, const uint32_t* w, int64_t kp, const float* bias,
+// Blocks per tile for a chunk of `rows` rows.
+inline int64_t tile_blocks(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+
+// One tile: `rows` rows (1..4) x `nb` blocks (at most tile_blocks(rows); fewer at the end of a task).
+void tile_rows(int rows, int nb, const float* x, int64_t ldx, const uint32_t* w, int64_t kp, const float* bias,
                at::BFloat16* y, int64_t ldy, int64_t b, int64_t n) {
-  switch (rows) {
-    case 1: tile<1>(x, ldx, w, kp, bias, y, ldy, b, n); return;
-    case 2: tile<2>(x, ldx, w, kp, bias, y, ldy, b, n); return;
-    case 3: tile<3>(x, ldx, w, kp, bias, y, ldy, b, n); return;
-    case 4: tile<4>(x, ldx, w, kp, bias, y, ldy, b, n); return;
-    default: TORCH_CHECK(false, "linear_cpu: internal error, a ", rows, "-row tile");
+  switch (rows * 8 + nb) {
+#define GS_TILE2(R, W) \
+  case R * 8 + W: tile<R, W>(x, ldx, w, kp, bias, y, ldy, b, n); return;
+    GS_TILE2(1, 1) GS_TILE2(1, 2) GS_TILE2(1, 3) GS_TILE2(1, 4) GS_TILE2(2, 1) GS_TILE2(2, 2) GS_TILE2(3, 1)
+    GS_TILE2(4, 1)
+#undef GS_TILE2
+    default: TORCH_CHECK(false, "linear_cpu: internal error, a ", rows, " x ", nb, " tile");
   }
 }
 
@@ -233,11 +254,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
   const float* xs = xf.data_ptr<float>();
   at::parallel_for(0, (nb + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
     const int64_t b_end = g1 * kGroup < nb ? g1 * kGroup : nb;
-    for (int64_t b = g0 * kGroup; b < b_end; ++b)
+    const int64_t width = tile_blocks(step);  // the chunks (all <= step rows) share the tile's blocks
+    for (int64_t b = g0 * kGroup; b < b_end; b += width) {
+      const int w = static_cast<int>(b_end - b < width ? b_end - b : width);
       for (int64_t r = 0; r < rows; r += step) {
         const int chunk = static_cast<int>(rows - r < step ? rows - r : step);
-        tile_rows(chunk, xs + r * kp * 2, kp * 2, ws, kp, bs, ys + r * n, n, b, n);
+        tile_rows(chunk, w, xs + r * kp * 2, kp * 2, ws, kp, bs, ys + r * n, n, b, n);
       }
+    }
   });
 #endif
 #endif
