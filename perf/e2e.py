@@ -3,6 +3,7 @@
     .venv/bin/python perf/e2e.py                 # full: 4 prompts x 128 tokens, bf16 and fp32
     .venv/bin/python perf/e2e.py --short         # 2 prompts (code, chat) x 48 tokens: minutes
     .venv/bin/python perf/e2e.py --dtypes bf16 --methods ar spec_0.5b --no-hf
+    .venv/bin/python perf/e2e.py --dtypes bf16 --methods ar spec_0.5b --no-hf --llamacpp   # and llama.cpp
 
 Target Qwen2.5-Coder-1.5B-Instruct; drafts: Qwen2.5-Coder-0.5B-Instruct (same vocabulary),
 SmolLM2-135M-Instruct (another tokenizer: graphspec's cross-vocabulary mapping), prompt lookup
@@ -18,6 +19,14 @@ same draft, acceptance rate, tokens per target forward, and whether the tokens e
 autoregressive ones (required in fp32; bf16 reports how many prompts differ). Results:
 perf/results/e2e[-short].json; the acceptance figures also go to perf/acceptance.json (used by
 perf/gpu_check.py to project a GPU speedup).
+
+``--llamacpp`` (optional; perf/llamacpp.py builds llama.cpp from the llama-cpp-python sdist on first
+use, several minutes): after graphspec's runs, llama.cpp's plain decoding (llama-bench tg<N>) and its
+speculative decoding (llama-speculative, the 0.5B draft, K = --k-model) on F16 weights, with the same
+thread count, prompts and token count, and graphspec's ratios to them: our autoregressive / llama.cpp's
+plain, our 0.5B methods / llama.cpp's speculative. Both sides' figures in those ratios are decode
+tokens/s (tokens / seconds after the prompt): llama-bench has no prompt and llama-speculative prints
+that figure. It runs minutes after graphspec's (not interleaved), so load drift enters the ratios.
 """
 
 from __future__ import annotations
@@ -353,6 +362,36 @@ def write_acceptance(report: dict) -> Path:
     return path
 
 
+# our method -> the llama.cpp run it is compared with (every method with the 0.5B draft -> llama-speculative)
+LLAMACPP_PEER = {"ar": "ar", **{m: "speculative" for m, s in SPECS.items() if s.draft == DRAFT}}
+
+
+def run_llamacpp(report: dict, prompts, tokenizer, max_new: int, k: int, log) -> None:
+    """llama.cpp at this run's thread count, prompts and tokens (perf/llamacpp.py); our ratios to it, per dtype."""
+    from perf import llamacpp
+
+    threads = torch.get_num_threads()
+    lc = llamacpp.run([threads], prompts, max_new, k=k, tokenizer=tokenizer, log=log)
+    report["llamacpp"] = lc
+    theirs = lc["threads"][str(threads)]
+    log(f"  = llamacpp_ar          {theirs['ar']['tokens_per_second']:6.2f} tok/s  (llama-bench tg{max_new}, F16)")
+    log(f"  = llamacpp_speculative {theirs['speculative']['tokens_per_second']:6.2f} tok/s  (llama-speculative K={k}, "
+        f"F16)  acceptance_rate {theirs['speculative']['acceptance_rate']:.2f}")
+    for dname, d in report["dtypes"].items():
+        rows = {}
+        for method, peer in LLAMACPP_PEER.items():
+            r = d["graphspec"].get(method)
+            if r is None or not r.get("decode_seconds"):
+                continue
+            ours = r["tokens"] / r["decode_seconds"]
+            rows[method] = {"llamacpp_peer": peer, "decode_tokens_per_second": ours,
+                            "llamacpp_tokens_per_second": theirs[peer]["tokens_per_second"],
+                            "speedup_vs_llamacpp": ours / theirs[peer]["tokens_per_second"]}
+            log(f"  = {dname} {method:15s} {ours:6.2f} decode tok/s  vs llamacpp_{peer}: "
+                f"{rows[method]['speedup_vs_llamacpp']:.2f}x")
+        d["vs_llamacpp"] = rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="2 prompts (code, chat) x 48 tokens")
@@ -384,10 +423,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
                                                  "default e2e.json (e2e-short.json with --short)")
     ap.add_argument("--no-acceptance-file", action="store_true")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="also run llama.cpp (F16; plain llama-bench and llama-speculative with the 0.5B draft) at the "
+                         "same threads / prompts / tokens, and report our ratios to it (perf/llamacpp.py; the first "
+                         "use builds llama.cpp: minutes)")
     args = ap.parse_args(argv)
     out = output_path(args.out or ("e2e-short.json" if args.short else "e2e.json"))
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.llamacpp:  # built, and its F16 weights made, before graphspec's runs: a failure shows in minutes, not after
+        from perf import llamacpp
+
+        llamacpp.prepare()
 
     from graphspec.models import zoo
     from graphspec.models.tokenizer import Tokenizer
@@ -426,6 +473,8 @@ def main(argv=None) -> int:
             extras = "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                                if k not in ("tokens_per_second", "first_difference", "hf_peer"))
             log(f"  = {method:18s} {row['tokens_per_second']:6.2f} tok/s  {extras}")
+    if args.llamacpp:
+        run_llamacpp(report, prompts, tokenizer, max_new, args.k_model, log)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     path = save_json(out, report)
     log(f"# wrote {path}")
