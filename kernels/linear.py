@@ -530,22 +530,21 @@ def _consistent_rows(weight: PackedWeight) -> int:
 class Int8Weight:
     """A ``[N, K]`` weight rounded to int8 per output row, for a *draft* model on the CPU.
 
-    Made by :func:`quantize_weight`: ``q`` int8 ``[N, K]``, ``scales`` fp32 ``[N]`` (w ~ q * scale, symmetric),
-    ``rowsums`` int32 ``[N]``. ``linear`` then rounds each row of ``x`` to 8 bits on its own and multiplies in
-    int32 (graphspec's int8 GEMM at the CPU level in force, ``kernels/cpu/int8_gemm.h``; at the torch level
-    :func:`int8_linear_ref`, the same numbers): half the bytes of bf16. The result is approximate (about 1%
-    relative error per product), which is fine for a draft (speculative decoding stays lossless whatever the
-    draft computes) and wrong for a target: ``Pipeline`` never quantizes a target. ``native(level)`` is the
-    weight packed for that level's C++ (made once, shared with the draft's C++ forward); ``dense()`` gives the
-    dequantized fp32 values.
+    Made by :func:`quantize_weight`: ``q`` int8 ``[N, K]``, ``scales`` fp32 ``[N]`` (w ~ q * scale, symmetric).
+    ``linear`` multiplies fp32 activations by the int8 weights widened in registers (graphspec's int8 GEMM at
+    the CPU level in force, ``kernels/cpu/int8_gemm.h``; at the torch level :func:`int8_linear_ref`): a step
+    reads one byte a weight, half of bf16. The activations are not rounded: with outliers in them, 8-bit
+    activations made a poor draft of SmolLM2 (tests/models/test_draft_quality.py). Approximate all the same
+    (the weights), which is fine for a draft (speculative decoding stays lossless whatever the draft computes)
+    and wrong for a target: ``Pipeline`` never quantizes a target. ``native(level)`` is the weight packed for that
+    level's C++ (made once, shared with the draft's C++ forward); ``dense()`` gives the dequantized fp32 values.
     """
 
-    __slots__ = ("q", "scales", "rowsums", "shape", "dtype", "device", "_native")
+    __slots__ = ("q", "scales", "shape", "dtype", "device", "_native")
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
         self.q = q
         self.scales = scales
-        self.rowsums = q.sum(1, dtype=torch.int32)
         self.shape = torch.Size(q.shape)
         self.dtype = dtype  # the activations' dtype: linear takes and returns it
         self.device = torch.device("cpu")
@@ -586,29 +585,11 @@ def quantize_weight(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(q.contiguous(), scale.contiguous(), weight.dtype)
 
 
-def round_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row of fp32 ``x [M, K]`` to u8 with a zero point, as the C++ GEMMs do (``int8_gemm.h`` quantize_row):
-    x ~ s * (u - z) over [min(x, 0), max(x, 0)] in 255 steps. Returns u (fp32 holding integers), s, z ``[M, 1]``."""
-    lo = x.amin(dim=1, keepdim=True).clamp(max=0.0)
-    hi = x.amax(dim=1, keepdim=True).clamp(min=0.0)
-    s = torch.where(hi > lo, (hi - lo) / 255.0, torch.ones_like(hi))
-    inv = 1.0 / s
-    z = torch.round(-lo * inv)
-    u = (torch.round(x * inv) + z).clamp_(0.0, 255.0)
-    return u, s, z
-
-
-def int8_linear_ref(x: torch.Tensor, weight: Int8Weight, exact: bool = True) -> torch.Tensor:
-    """``x [M, K]`` fp32 times an :class:`Int8Weight` as graphspec's int8 GEMM computes it: rows rounded by
-    :func:`round_rows_u8`, the integer sums exact (``exact``: in float64; else in fp32, close but not the C++
-    bits, and cheaper), then ``(float(sum - z * rowsum) * scale_n) * s_m`` in fp32. The torch level's int8 path
-    and the tests' oracle."""
-    u, s, z = round_rows_u8(x.float())
-    if exact:
-        acc = (u.double() @ weight.q.double().t() - z.double() * weight.rowsums.double()).float()
-    else:
-        acc = (u - z) @ weight.q.float().t()
-    return (acc * weight.scales) * s
+def int8_linear_ref(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """``x [M, K]`` fp32 times an :class:`Int8Weight` as graphspec's int8 GEMM defines it: ``(x @ q^T) * scale``,
+    fp32 (the C++ sums in its own fixed order). The torch level's int8 path and the tests' oracle; it widens the
+    int8 weight to fp32 on every call, so it is slow."""
+    return (x.float() @ weight.q.t().float()) * weight.scales
 
 
 def _linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -618,7 +599,7 @@ def _linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None)
     if cpu.available():
         y = weight.native().forward(x2.contiguous())
     else:
-        y = int8_linear_ref(x2, weight, exact=False)
+        y = int8_linear_ref(x2, weight)
     if bias is not None:
         y += bias
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -1,25 +1,24 @@
 // An int8 GEMM for small row counts, at every level of graphspec's CPU backend: the int8 draft forward's
 // products (int8_draft.cpp) and kernels.linear's Int8Weight. Header-only, so the extension that uses it
-// inlines it.
+// inlines it. Also the helpers that the int4 GEMM (int4_gemm.h) shares: the activation rounding, the input
+// checks, the row chunks and the tile loop.
 //
-// Why: torch's dynamic int8 linear (fbgemm) read the draft's weights well below the memory bandwidth, and on
-// CPUs without VNNI it multiplies u8 x s8 pairs with vpmaddubsw, whose 16-bit pair sums saturate: real drafts
-// computed garbage there. This loop reads each weight once, as one contiguous stream per tile, and multiplies
-// it with a few rows held in registers. avx512: vpdpbusd (u8 x s8 -> int32, four products a lane), tiles of 64
-// outputs, up to 6 rows. avx2: weights and activations widened to int16 and multiplied by vpmaddwd (int16 pairs
-// -> int32: no saturation), tiles of 16 outputs, up to 2 rows. generic: plain int32 loops.
+// What it computes: int8 weights (symmetric, one fp32 scale per output row) times fp32 activations, each
+// weight widened to fp32 in registers: y[m, n] = s_n * sum_k q[n, k] * x[m, k], fp32 sums. The activations are
+// not rounded. Why: rounding them to 8 bits a row (what this GEMM did before, and what fbgemm does per call)
+// made SmolLM2-135M a poor draft, its greedy choice agreeing with its float self on 92% of real text, because
+// real activations have outliers (one channel at 486 where most are near 0.3) that take a row's whole range;
+// with the weights alone in int8 it agrees on 96-97% (tests/models/test_draft_quality.py). A decode step reads
+// one byte a weight either way, which is what bounds it; products of several rows cost more arithmetic than
+// with 8-bit activations, a small part of a draft's time (its steps are mostly one row).
 //
-// Layout (pack_int8): an int8 [N, K] weight (symmetric, one fp32 scale per output row) becomes tiles of up to
-// kI8TileBlocks blocks of 16 outputs; a tile of nb blocks stores, for each group of 4 inputs k .. k+3, the
-// nb * 16 outputs' 4 weights side by side ([ceil(K / 4), nb * 16, 4], zero padded), tiles back to back. Beside
-// it: the row sums of the int8 weights (int32) and the scales, both padded to whole blocks.
+// Layout (pack_int8): an int8 [N, K] weight becomes blocks of 16 outputs, each [K, 16] (for each input k, the
+// 16 outputs' weights side by side), zero padded to whole blocks; beside it the scales, padded the same way.
 //
-// Numerics: each row of x is quantized on its own to u8 with a zero point, x ~ s * (u - z), over
-// [min(x, 0), max(x, 0)] in 255 steps. Then y[m, n] = s_m * w_n * (sum_k u[m, k] * q[n, k] - z_m * rowsum_n)
-// with the int32 sum exact and the same fp32 operations after it at every level, so every level gives the same
-// bits, and a row's result does not depend on the other rows or the thread count. This is a draft's GEMM:
-// approximate (int8), which speculative decoding allows; the tests check it against the same quantization done
-// in torch (kernels.linear.int8_linear_ref), bit for bit.
+// Sums: each output is one fp32 sum over k = 0, 1, 2, ... in turn, then times its scale: nothing in that order
+// depends on the other rows or the thread count. avx512 (16 lanes) and avx2 (8) add each product by an FMA, so
+// they give the same bits; generic multiplies and adds (no FMA at its flags). None is torch's order, so the
+// tests check each against kernels.linear.int8_linear_ref with a tolerance, and avx512 against avx2 exactly.
 
 #pragma once
 
@@ -36,15 +35,12 @@
 
 namespace graphspec_native {
 
-constexpr int64_t kI8Block = 16;     // outputs per block: one zmm of int32 sums
+constexpr int64_t kI8Block = 16;  // outputs per block
 #if GS_AVX512
-constexpr int64_t kI8TileBlocks = 4;  // blocks per tile (64 outputs)
-constexpr int kI8MaxRows = 6;         // rows per register tile: 6 x 4 sums + 4 weights + 1 broadcast = 29 zmm
+constexpr int kI8MaxRows = 6;  // rows per register tile: 6 x 1, 4 x 2, 2 x 4 or 1 x 8 zmm sums
 #elif GS_AVX2
-constexpr int64_t kI8TileBlocks = 1;  // one block of 16 outputs: 4 ymm of pair sums a row
-constexpr int kI8MaxRows = 2;         // 2 x 4 sums + 2 broadcasts + 1 weight of the 16 ymm
+constexpr int kI8MaxRows = 4;  // 4 x 1, 2 x 2 or 1 x 4 blocks of two ymm sums
 #else
-constexpr int64_t kI8TileBlocks = 1;
 constexpr int kI8MaxRows = 4;
 #endif
 
@@ -52,16 +48,14 @@ inline bool have_vnni() { return GS_HAVE_VNNI != 0; }
 
 // A packed int8 weight (see the layout above).
 struct Int8Matrix {
-  at::Tensor data;      // int8, the tiles back to back
-  at::Tensor scales;    // fp32 [nb * 16], 0 past n
-  at::Tensor rowsums;   // int32 [nb * 16], 0 past n
+  at::Tensor data;    // int8 [nb, K, 16]
+  at::Tensor scales;  // fp32 [nb * 16], 0 past n
   int64_t n = 0, k = 0;
 
   int64_t blocks() const { return (n + kI8Block - 1) / kI8Block; }
-  int64_t groups() const { return (k + 3) / 4; }  // groups of 4 inputs
 };
 
-// What pack_int8 and pack_int4 (_int4_gemm.h) take: q int8 [N, K] (contiguous or not), N, K > 0, and N scales.
+// What pack_int8 and pack_int4 (int4_gemm.h) take: q int8 [N, K] (contiguous or not), N, K > 0, and N scales.
 inline void check_pack_input(const at::Tensor& q, const at::Tensor& scales, const char* what) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(), what,
               ": the weight must be a 2-d int8 CPU tensor, got ", q.scalar_type(), " ", q.sizes());
@@ -76,24 +70,17 @@ inline Int8Matrix pack_int8(const at::Tensor& q, const at::Tensor& scales) {
   Int8Matrix m;
   m.n = q.size(0);
   m.k = q.size(1);
-  const int64_t nb = m.blocks(), kq = m.groups();
-  at::Tensor padded = at::zeros({nb * kI8Block, kq * 4}, q.options());
-  padded.narrow(0, 0, m.n).narrow(1, 0, m.k).copy_(q);
-  m.data = at::empty({nb * kI8Block * kq * 4}, q.options());
-  for (int64_t b0 = 0, off = 0; b0 < nb; b0 += kI8TileBlocks) {
-    const int64_t tb = std::min(kI8TileBlocks, nb - b0);
-    const at::Tensor t = padded.narrow(0, b0 * kI8Block, tb * kI8Block).view({tb * kI8Block, kq, 4}).permute({1, 0, 2});
-    m.data.narrow(0, off, t.numel()).view({kq, tb * kI8Block, 4}).copy_(t);
-    off += t.numel();
-  }
+  const int64_t nb = m.blocks();
+  at::Tensor padded = at::zeros({nb * kI8Block, m.k}, q.options());
+  padded.narrow(0, 0, m.n).copy_(q);
+  m.data = padded.view({nb, kI8Block, m.k}).permute({0, 2, 1}).contiguous();
   m.scales = at::zeros({nb * kI8Block}, q.options().dtype(at::kFloat));
   m.scales.narrow(0, 0, m.n).copy_(scales.to(at::kFloat));
-  m.rowsums = at::zeros({nb * kI8Block}, q.options().dtype(at::kInt));
-  m.rowsums.narrow(0, 0, m.n).copy_(q.to(at::kInt).sum(1));
   return m;
 }
 
-// Row m of x [rows, K] fp32 -> u8 [groups * 4] (padding: the zero point) and (scale, zero point).
+// Row m of x [rows, K] fp32 -> u8 [groups * 4] (padding: the zero point) and (scale, zero point): the int4 GEMM's
+// activations, x ~ s * (u - z) over [min(x, 0), max(x, 0)] in 255 steps.
 inline void quantize_row(const float* x, int64_t k, int64_t kpad, uint8_t* u, float* scale, int32_t* zero) {
   float lo = 0.f, hi = 0.f;
   for (int64_t i = 0; i < k; ++i) {
@@ -115,9 +102,8 @@ inline void quantize_row(const float* x, int64_t k, int64_t kpad, uint8_t* u, fl
 
 #if GS_HAVE_VNNI
 
-// acc += u8 x s8 in place. The intrinsic (_mm512_dpbusd_epi32) returns a new value, and GCC 12 then copies
-// the 24 accumulators of a 6-row tile through the stack every step (measured: 6-row products at half speed);
-// the asm keeps each sum in its register.
+// acc += u8 x s8 in place (the int4 GEMM). The intrinsic (_mm512_dpbusd_epi32) returns a new value, and GCC 12
+// then copied a tile's accumulators through the stack every step; the asm keeps each sum in its register.
 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
   return acc;
@@ -129,122 +115,116 @@ inline __mmask16 block_mask(int64_t f, int64_t n) {
   return valid == kI8Block ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
 }
 
-// y[m, f0 .. f0 + NB*16) for M rows of u (kq uint32 groups each, row stride ldu) and a tile of NB blocks.
+#endif  // GS_HAVE_VNNI
+
+// y[m, f0 .. f0 + NB*16) for M rows of x (row stride ldx) and NB blocks from w (each [K, 16]), all loops over the
+// sums fully unrolled (the pragmas): GCC keeps a sum indexed by a loop variable in memory, storing it every step.
 template <int M, int NB>
-inline void int8_tile(const uint32_t* u, int64_t ldu, const int8_t* w, int64_t kq, const float* xs,
-                      const int32_t* xz, const float* ws, const int32_t* rs, float* y, int64_t ldy, int64_t f0,
-                      int64_t n) {
-  __m512i acc[NB][M];
+inline void int8_tile(const float* __restrict x, int64_t ldx, const int8_t* __restrict w, int64_t k,
+                      const float* __restrict ws, float* __restrict y, int64_t ldy, int64_t f0, int64_t n) {
+#if GS_AVX512
+  __m512 acc[M][NB];
+#pragma GCC unroll 8
   for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_si512();
-  const __m512i* wp = reinterpret_cast<const __m512i*>(w);
-  for (int64_t g = 0; g < kq; ++g) {
-    __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wp + g * NB + j);
-    for (int m = 0; m < M; ++m) {
-      const __m512i ub = _mm512_set1_epi32(static_cast<int>(u[m * ldu + g]));
-      for (int j = 0; j < NB; ++j) acc[j][m] = dpbusd(acc[j][m], ub, wv[j]);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (j * k + i) * kI8Block));
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * ldx + i]), acc[m][j]);
     }
   }
+#pragma GCC unroll 8
   for (int j = 0; j < NB; ++j) {
     const int64_t f = f0 + j * kI8Block;
+    if (f >= n) break;
     const __mmask16 mask = block_mask(f, n);
-    const __m512 wsv = _mm512_loadu_ps(ws + f);
-    const __m512i rsv = _mm512_loadu_si512(rs + f);
-    for (int m = 0; m < M; ++m) {
-      const __m512i zr = _mm512_mullo_epi32(rsv, _mm512_set1_epi32(xz[m]));
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[j][m], zr));
-      _mm512_mask_storeu_ps(y + m * ldy + f, mask, _mm512_mul_ps(_mm512_mul_ps(v, wsv), _mm512_set1_ps(xs[m])));
+    const __m512 s = _mm512_loadu_ps(ws + f);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy + f, mask, _mm512_mul_ps(acc[m][j], s));
+  }
+#elif GS_AVX2
+  __m256 acc[M][NB][2];
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* wi = w + (j * k + i) * kI8Block;
+      __m128i q0, q1;
+      std::memcpy(&q0, wi, 8);  // the low 8 bytes of each (vmovq)
+      std::memcpy(&q1, wi + 8, 8);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + i);
+        acc[m][j][0] = _mm256_fmadd_ps(w0, xb, acc[m][j][0]);
+        acc[m][j][1] = _mm256_fmadd_ps(w1, xb, acc[m][j][1]);
+      }
     }
   }
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    const int64_t f = f0 + j * kI8Block;
+    if (f >= n) break;
+    const int64_t valid = std::min<int64_t>(kI8Block, n - f);
+    const __m256 s0 = _mm256_loadu_ps(ws + f), s1 = _mm256_loadu_ps(ws + f + 8);
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      alignas(32) float out[kI8Block];
+      _mm256_store_ps(out, _mm256_mul_ps(acc[m][j][0], s0));
+      _mm256_store_ps(out + 8, _mm256_mul_ps(acc[m][j][1], s1));
+      std::memcpy(y + m * ldy + f, out, sizeof(float) * valid);
+    }
+  }
+#else
+  float acc[M][NB * kI8Block] = {};
+  for (int64_t i = 0; i < k; ++i)
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* wi = w + (j * k + i) * kI8Block;
+      for (int m = 0; m < M; ++m) {
+        const float xv = x[m * ldx + i];
+        float* a = acc[m] + j * kI8Block;
+        for (int64_t o = 0; o < kI8Block; ++o) a[o] += static_cast<float>(wi[o]) * xv;  // no FMA at this level
+      }
+    }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t f = f0 + j * kI8Block;
+    for (int64_t o = 0; o < kI8Block && f + o < n; ++o)
+      for (int m = 0; m < M; ++m) y[m * ldy + f + o] = acc[m][j * kI8Block + o] * ws[f + o];
+  }
+#endif
 }
 
-inline void int8_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, const int8_t* w, int64_t kq,
-                          const float* xs, const int32_t* xz, const float* ws, const int32_t* rs, float* y,
-                          int64_t ldy, int64_t f0, int64_t n) {
-  switch (rows * 8 + nb) {
+// Blocks per tile for `rows` rows: enough independent sums to cover the FMA latency, few enough for the registers.
+constexpr int64_t int8_tile_blocks(int64_t rows) {
+#if GS_AVX512
+  return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1;
+#else
+  return rows == 1 ? 4 : rows == 2 ? 2 : 1;
+#endif
+}
+
+inline void int8_tile_any(int rows, int nb, const float* x, int64_t ldx, const int8_t* w, int64_t k, const float* ws,
+                          float* y, int64_t ldy, int64_t f0, int64_t n) {
+  switch (rows * 16 + nb) {
 #define GS_I8_TILE(R, B) \
-  case R * 8 + B: int8_tile<R, B>(u, ldu, w, kq, xs, xz, ws, rs, y, ldy, f0, n); return;
-#define GS_I8_ROWS(R) GS_I8_TILE(R, 1) GS_I8_TILE(R, 2) GS_I8_TILE(R, 3) GS_I8_TILE(R, 4)
-    GS_I8_ROWS(1) GS_I8_ROWS(2) GS_I8_ROWS(3) GS_I8_ROWS(4) GS_I8_ROWS(5) GS_I8_ROWS(6)
-#undef GS_I8_ROWS
+  case R * 16 + B: int8_tile<R, B>(x, ldx, w, k, ws, y, ldy, f0, n); return;
+    GS_I8_TILE(1, 1) GS_I8_TILE(1, 2) GS_I8_TILE(1, 3) GS_I8_TILE(1, 4) GS_I8_TILE(2, 1) GS_I8_TILE(2, 2)
+    GS_I8_TILE(3, 1) GS_I8_TILE(4, 1)
+#if GS_AVX512
+    GS_I8_TILE(1, 5) GS_I8_TILE(1, 6) GS_I8_TILE(1, 7) GS_I8_TILE(1, 8) GS_I8_TILE(2, 3) GS_I8_TILE(2, 4)
+    GS_I8_TILE(3, 2) GS_I8_TILE(4, 2) GS_I8_TILE(5, 1) GS_I8_TILE(6, 1)
+#endif
 #undef GS_I8_TILE
     default: TORCH_CHECK(false, "int8 GEMM: internal error, a ", rows, " x ", nb, " tile");
   }
-}
-
-#endif  // GS_HAVE_VNNI
-
-// The float work after the exact integer sums, the same operations at every level: v = acc - z * rowsum as
-// fp32 (nearest even), then (v * w_scale) * x_scale.
-inline float int8_epilogue(int32_t acc, int32_t z, int32_t rowsum, float w_scale, float x_scale) {
-  return (static_cast<float>(acc - z * rowsum) * w_scale) * x_scale;
-}
-
-#if GS_AVX2
-
-// y[m, f0 .. f0 + 16) for M rows and one block: u16 holds each row's groups of 4 u8 widened to 4 int16 (ldu a
-// row); w the block's [kq, 16, 4] int8 weights.
-template <int M>
-inline void int8_tile_avx2(const uint64_t* u16, int64_t ldu, const int8_t* w, int64_t kq, const float* xs,
-                           const int32_t* xz, const float* ws, const int32_t* rs, float* y, int64_t ldy, int64_t f0,
-                           int64_t n) {
-  __m256i acc[M][4];  // acc[m][q]: outputs 4q .. 4q + 3, two partial sums each
-#pragma GCC unroll 2
-  for (int m = 0; m < M; ++m)
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_setzero_si256();
-  // Fully unrolled (the pragmas): a sum indexed by a loop variable stays in memory (a load and a store a step).
-  for (int64_t g = 0; g < kq; ++g) {
-    __m256i ub[M];
-#pragma GCC unroll 2
-    for (int m = 0; m < M; ++m) ub[m] = _mm256_set1_epi64x(static_cast<long long>(u16[m * ldu + g]));
-    const int8_t* wg = w + g * kI8Block * 4;
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      const __m256i wq = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * q)));
-#pragma GCC unroll 2
-      for (int m = 0; m < M; ++m) acc[m][q] = _mm256_add_epi32(acc[m][q], _mm256_madd_epi16(wq, ub[m]));
-    }
-  }
-  const int64_t valid = std::min<int64_t>(kI8Block, n - f0);
-#pragma GCC unroll 2
-  for (int m = 0; m < M; ++m) {
-    alignas(32) float out[kI8Block];
-#pragma GCC unroll 2
-    for (int half = 0; half < 2; ++half) {
-      // hadd within 128-bit lanes gives outputs (0 1 4 5 | 2 3 6 7) of these 8; the permute puts them in order
-      const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][2 * half], acc[m][2 * half + 1]), 0xD8);
-      const int64_t f = f0 + 8 * half;
-      const __m256i zr = _mm256_mullo_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs + f)),
-                                            _mm256_set1_epi32(xz[m]));
-      const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, zr));
-      _mm256_store_ps(out + 8 * half, _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(ws + f)), _mm256_set1_ps(xs[m])));
-    }
-    std::memcpy(y + m * ldy + f0, out, sizeof(float) * valid);
-  }
-}
-
-#endif  // GS_AVX2
-
-// The generic level: the same sums as plain loops.
-template <int M>
-inline void int8_tile_generic(const uint8_t* u, int64_t ldu, const int8_t* w, int64_t kq, const float* xs,
-                              const int32_t* xz, const float* ws, const int32_t* rs, float* y, int64_t ldy, int64_t f0,
-                              int64_t n) {
-  int32_t acc[M][kI8Block] = {};
-  for (int64_t g = 0; g < kq; ++g) {
-    const int8_t* wg = w + g * kI8Block * 4;
-    for (int m = 0; m < M; ++m) {
-      const uint8_t* ug = u + m * ldu + 4 * g;
-      for (int64_t o = 0; o < kI8Block; ++o)
-        for (int j = 0; j < 4; ++j) acc[m][o] += static_cast<int32_t>(ug[j]) * static_cast<int32_t>(wg[o * 4 + j]);
-    }
-  }
-  const int64_t valid = std::min<int64_t>(kI8Block, n - f0);
-  for (int m = 0; m < M; ++m)
-    for (int64_t o = 0; o < valid; ++o)
-      y[m * ldy + f0 + o] = int8_epilogue(acc[m][o], xz[m], rs[f0 + o], ws[f0 + o], xs[m]);
 }
 
 // The checks both GEMMs (this file's, int4_gemm.h's) make of x before running: what = "int8 GEMM" etc.
@@ -278,56 +258,23 @@ inline void for_tiles_and_chunks(int64_t nb, int64_t tile_blocks, int64_t rows, 
 // y [rows, N] fp32 = x [rows, K] fp32 (contiguous) times the packed weight, as described above.
 inline at::Tensor int8_linear(const at::Tensor& x, const Int8Matrix& w) {
   check_gemm_input(x, w.k, "int8 GEMM");
-  const int64_t rows = x.size(0), n = w.n, kq = w.groups(), nb = w.blocks();
+  const int64_t rows = x.size(0), n = w.n, k = w.k, nb = w.blocks();
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  std::vector<uint32_t> u(static_cast<size_t>(rows * kq));
-  std::vector<float> xs(rows);
-  std::vector<int32_t> xz(rows);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < rows; ++m)
-    quantize_row(xp + m * w.k, w.k, kq * 4, reinterpret_cast<uint8_t*>(u.data() + m * kq), &xs[m], &xz[m]);
-  // More rows than a register tile holds (a prefill) go in equal chunks: a tile's weights (16 or 64 outputs x K)
-  // stay in cache meanwhile.
+  // More rows than a register tile holds (a prefill) go in equal chunks; a tile's weights (a few blocks of
+  // 16 outputs x K) stay in cache meanwhile.
   const int64_t step = chunk_rows(rows, kI8MaxRows);
+  const int64_t width = int8_tile_blocks(step);
+  const float* xp = x.data_ptr<float>();
   const int8_t* wd = w.data.data_ptr<int8_t>();
   const float* ws = w.scales.data_ptr<float>();
-  const int32_t* rs = w.rowsums.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-#if GS_HAVE_VNNI
-  for_tiles_and_chunks(nb, kI8TileBlocks, rows, step, [&](int64_t b0, int tb, int64_t r, int chunk) {
-    int8_tile_any(chunk, tb, u.data() + r * kq, kq, wd + b0 * kI8Block * kq * 4, kq, xs.data() + r, xz.data() + r,
-                  ws, rs, yp + r * n, n, b0 * kI8Block, n);
+  for_tiles_and_chunks(nb, width, rows, step, [&](int64_t b0, int tb, int64_t r, int chunk) {
+    const int nbk = static_cast<int>(std::min<int64_t>(tb, int8_tile_blocks(chunk)));
+    for (int j = 0; j < tb; j += nbk)  // a smaller last chunk may take fewer blocks at a time; never more
+      int8_tile_any(chunk, std::min(nbk, tb - j), xp + r * k, k, wd + (b0 + j) * k * kI8Block, k, ws, yp + r * n, n,
+                    (b0 + j) * kI8Block, n);
   });
-#elif GS_AVX2
-  std::vector<uint64_t> u16(static_cast<size_t>(rows * kq));  // each group's 4 u8 as 4 int16
-  const uint8_t* ub = reinterpret_cast<const uint8_t*>(u.data());
-  for (int64_t i = 0; i < rows * kq; ++i)
-    u16[i] = static_cast<uint64_t>(ub[4 * i]) | static_cast<uint64_t>(ub[4 * i + 1]) << 16 |
-             static_cast<uint64_t>(ub[4 * i + 2]) << 32 | static_cast<uint64_t>(ub[4 * i + 3]) << 48;
-  for_tiles_and_chunks(nb, kI8TileBlocks, rows, step, [&](int64_t b0, int, int64_t r, int chunk) {
-    const int8_t* wt = wd + b0 * kI8Block * kq * 4;
-    const uint64_t* ur = u16.data() + r * kq;
-    float* yr = yp + r * n;
-    if (chunk == 2)
-      int8_tile_avx2<2>(ur, kq, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, b0 * kI8Block, n);
-    else
-      int8_tile_avx2<1>(ur, kq, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, b0 * kI8Block, n);
-  });
-#else
-  for_tiles_and_chunks(nb, kI8TileBlocks, rows, step, [&](int64_t b0, int, int64_t r, int chunk) {
-    const int8_t* wt = wd + b0 * kI8Block * kq * 4;
-    const uint8_t* ur = reinterpret_cast<const uint8_t*>(u.data() + r * kq);
-    const int64_t ldu = kq * 4, f0 = b0 * kI8Block;
-    float* yr = yp + r * n;
-    switch (chunk) {
-      case 4: int8_tile_generic<4>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
-      case 3: int8_tile_generic<3>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
-      case 2: int8_tile_generic<2>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
-      default: int8_tile_generic<1>(ur, ldu, wt, kq, xs.data() + r, xz.data() + r, ws, rs, yr, n, f0, n); break;
-    }
-  });
-#endif
   return y;
 }
 

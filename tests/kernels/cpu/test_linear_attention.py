@@ -173,19 +173,20 @@ def test_native_attention_checks_its_inputs():
 
 @pytest.mark.parametrize("k,n", [(130, 423), (17, 3), (1536, 40)])
 @pytest.mark.parametrize("m", [1, 4, 7])
-def test_avx2_linear_is_the_sequential_fp32_sum(m, k, n):
-    """avx2: each output is fma(w[k], x[k], acc) for k = 0, 1, 2, ... then + bias, rounded to bf16. A bf16 x bf16
-    product is exact in fp32, so that is the plain sequential fp32 sum, redone here in torch: bit for bit."""
+def test_avx2_linear_is_its_order_of_fp32_sums(m, k, n):
+    """avx2: each output is two sums, fma(w[k], x[k], acc) over the even k in turn and over the odd k in turn, then
+    even + odd + bias, rounded to bf16. A bf16 x bf16 product is exact in fp32, so each is a plain sequential
+    fp32 sum, redone here in torch: bit for bit."""
     if "avx2" not in cpu.supported_levels():
         pytest.skip("this CPU has no AVX2")
     x, w, b = _inputs(m, k, n, seed=k + n)
     with cpu.use_level("avx2"):
         y = linear(x, prepare_weight(w), b)
     xf, wf = x.float(), w.float()
-    acc = torch.zeros(m, n)
+    sums = [torch.zeros(m, n), torch.zeros(m, n)]
     for i in range(k):
-        acc += xf[:, i:i + 1] * wf[:, i][None, :]  # exact product, one fp32 rounding per add
-    assert torch.equal(y, (acc + b.float()).bfloat16())
+        sums[i % 2] += xf[:, i:i + 1] * wf[:, i][None, :]  # exact product, one fp32 rounding per add
+    assert torch.equal(y, ((sums[0] + sums[1]) + b.float()).bfloat16())
 
 
 @needs_native
