@@ -56,8 +56,8 @@ _FLAGS = {
 }
 
 KERNELS = {
-    "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (vpdpbusd)", "int4 GEMM", "int8 draft forward"),
-    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (vpmaddwd)", "int8 draft forward"),
+    "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward"),
+    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward"),
     "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward"),
     "torch": (),
 }

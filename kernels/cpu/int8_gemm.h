@@ -41,7 +41,7 @@ constexpr int kI8MaxRows = 6;  // rows per register tile: 6 x 1, 4 x 2, 2 x 4 or
 #elif GS_AVX2
 constexpr int kI8MaxRows = 4;  // 4 x 1, 2 x 2 or 1 x 4 blocks of two ymm sums
 #else
-constexpr int kI8MaxRows = 4;
+constexpr int kI8MaxRows = 1;  // measured: GCC vectorizes the one-row loop at the baseline flags, not the others
 #endif
 
 inline bool have_vnni() { return GS_HAVE_VNNI != 0; }
@@ -188,10 +188,12 @@ inline void int8_tile(const float* __restrict x, int64_t ldx, const int8_t* __re
   for (int64_t i = 0; i < k; ++i)
     for (int j = 0; j < NB; ++j) {
       const int8_t* wi = w + (j * k + i) * kI8Block;
+      float wf[kI8Block];  // widened once for all rows (the baseline instruction sets widen int8 slowly)
+      for (int64_t o = 0; o < kI8Block; ++o) wf[o] = static_cast<float>(wi[o]);
       for (int m = 0; m < M; ++m) {
         const float xv = x[m * ldx + i];
         float* a = acc[m] + j * kI8Block;
-        for (int64_t o = 0; o < kI8Block; ++o) a[o] += static_cast<float>(wi[o]) * xv;  // no FMA at this level
+        for (int64_t o = 0; o < kI8Block; ++o) a[o] += wf[o] * xv;  // no FMA at this level
       }
     }
   for (int j = 0; j < NB; ++j) {
