@@ -38,7 +38,6 @@ __all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_li
 
 ENV = "GRAPHSPEC_CPU"
 LEVELS = ("avx512", "avx2", "generic", "torch")
-_C_LEVELS = LEVELS[:-1]
 
 _REQUIRES = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"),
@@ -78,15 +77,18 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
 def supported_levels() -> tuple[str, ...]:
     """The levels this CPU can execute (not yet built), best first; always ends with generic and torch."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
     flags = _cpu_flags()
-    return tuple(lv for lv in LEVELS if not _REQUIRES[lv] or (x86 and set(_REQUIRES[lv]) <= flags))
+    return tuple(lv for lv in LEVELS if not _REQUIRES[lv] or (_x86() and set(_REQUIRES[lv]) <= flags))
 
 
 def _missing(name: str) -> str:
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+    if not _x86():
         return f"it is an x86 level and this machine is {platform.machine()}"
     lacking = sorted(set(_REQUIRES[name]) - _cpu_flags())
     return "this CPU lacks " + ", ".join(lacking)
@@ -179,11 +181,16 @@ def _env_level(env: str) -> str:
     return _required(_check_name(env, ENV), ENV)
 
 
+def _resolve(name: str) -> str:
+    """``name`` ("auto" or a level) as the level it means here; an error where it cannot run."""
+    return _auto() if name == "auto" else _required(_check_name(name, "level"), "level")
+
+
 @contextlib.contextmanager
 def use_level(name: str) -> Iterator[str]:
     """Run the CPU ops inside the ``with`` block at level ``name`` ("auto" for the default); an error where it
     cannot run here."""
-    name = _auto() if name == "auto" else _required(_check_name(name, "level"), "level")
+    name = _resolve(name)
     token = _override.set(name)
     try:
         yield name
@@ -194,8 +201,7 @@ def use_level(name: str) -> Iterator[str]:
 def set_level(name: str | None) -> None:
     """Pin the level for the whole process (None: back to ``GRAPHSPEC_CPU`` / auto)."""
     global _process_level
-    _process_level = None if name is None else (_auto() if name == "auto" else _required(_check_name(name, "level"),
-                                                                                          "level"))
+    _process_level = None if name is None else _resolve(name)
 
 
 def available(name: str | None = None) -> bool:
@@ -214,8 +220,7 @@ def have_vnni(name: str | None = None) -> bool:
 
 
 def ops(name: str | None = None):
-    """The torch ops of level ``name`` (default: the level in force): ``level``, ``supported``, ``pack``,
-    ``unpack``, ``linear``, ``attend``, ``have_vnni``."""
+    """The torch ops of level ``name`` (default: the level in force): ``level``, ``linear``, ``attend``."""
     name = level() if name is None else name
     if name == "torch":
         raise ValueError("the torch level has no C++ ops; check available() first")

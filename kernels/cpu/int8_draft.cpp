@@ -390,5 +390,4 @@ GS_LIBRARY_FRAGMENT(m) {
       .def("set_gemm", &Int8Draft::set_gemm)
       .def("drop_int4", &Int8Draft::drop_int4)
       .def("forward", &Int8Draft::forward);
-  m.def("have_vnni() -> bool", [] { return graphspec_native::have_vnni(); });
 }

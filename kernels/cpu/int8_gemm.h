@@ -271,11 +271,10 @@ inline at::Tensor int8_linear(const at::Tensor& x, const Int8Matrix& w) {
   const int8_t* wd = w.data.data_ptr<int8_t>();
   const float* ws = w.scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // A chunk has at most `step` rows, and int8_tile_blocks does not grow with the rows, so every chunk's tile
+  // of tb <= width blocks exists.
   for_tiles_and_chunks(nb, width, rows, step, [&](int64_t b0, int tb, int64_t r, int chunk) {
-    const int nbk = static_cast<int>(std::min<int64_t>(tb, int8_tile_blocks(chunk)));
-    for (int j = 0; j < tb; j += nbk)  // a smaller last chunk may take fewer blocks at a time; never more
-      int8_tile_any(chunk, std::min(nbk, tb - j), xp + r * k, k, wd + (b0 + j) * k * kI8Block, k, ws, yp + r * n, n,
-                    (b0 + j) * kI8Block, n);
+    int8_tile_any(chunk, tb, xp + r * k, k, wd + b0 * k * kI8Block, k, ws, yp + r * n, n, b0 * kI8Block, n);
   });
   return y;
 }

@@ -6,7 +6,7 @@
 // emulates). This file's loop reads the weight once, as one stream per 16 outputs, and multiplies it with
 // several rows of x held in registers.
 //
-// Layout (both levels): a [N, K] weight becomes [ceil(N / 16), ceil(K / 2), 16, 2] bf16 (zero padded): for
+// Layout (both levels; made by kernels.linear.NativeWeight.pack): a [N, K] weight becomes [ceil(N / 16), ceil(K / 2), 16, 2] bf16 (zero padded): for
 // each block of 16 outputs and each pair of inputs k, k + 1, the 16 outputs' two weights side by side. avx512:
 // what vdpbf16ps multiplies with a broadcast pair (x[m, k], x[m, k + 1]). avx2: 8 outputs' pairs per ymm, whose
 // even halves shifted left by 16 and odd halves masked are the fp32 weights of k and k + 1.
@@ -47,34 +47,12 @@ constexpr int kMaxRows = 2;  // 2 rows x 2 halves x (even, odd) sums + 2 weights
 
 bool supported() { return GS_HAVE_BF16 != 0; }
 
-void check_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2, "linear_cpu.pack: the weight must be 2-d [N, K], got ", w.dim(), " dimensions");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "linear_cpu.pack: the weight must be bf16, got ", w.scalar_type());
-  TORCH_CHECK(w.device().is_cpu(), "linear_cpu.pack: the weight must be on the CPU");
-}
-
 void check_packed(const at::Tensor& p, int64_t n, int64_t k) {
   TORCH_CHECK(p.dim() == 4 && p.size(2) == kBlock && p.size(3) == 2 && p.scalar_type() == at::kBFloat16 &&
                   p.is_contiguous() && p.device().is_cpu(),
-              "linear_cpu: the packed weight must be a contiguous CPU bf16 [N/16, K/2, 16, 2] tensor from pack()");
+              "linear_cpu: the packed weight must be a contiguous CPU bf16 [N/16, K/2, 16, 2] tensor from NativeWeight.pack");
   TORCH_CHECK(n > 0 && k > 0 && p.size(0) == (n + kBlock - 1) / kBlock && p.size(1) == (k + 1) / 2,
               "linear_cpu: packed weight of shape ", p.sizes(), " does not hold a [", n, ", ", k, "] weight");
-}
-
-at::Tensor pack(const at::Tensor& w) {
-  check_weight(w);
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n > 0 && k > 0, "linear_cpu.pack: empty weight [", n, ", ", k, "]");
-  const int64_t nb = (n + kBlock - 1) / kBlock, kp = (k + 1) / 2;
-  at::Tensor padded = at::zeros({nb * kBlock, kp * 2}, w.options());
-  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
-  return padded.view({nb, kBlock, kp, 2}).permute({0, 2, 1, 3}).contiguous();
-}
-
-at::Tensor unpack(const at::Tensor& p, int64_t n, int64_t k) {
-  check_packed(p, n, k);
-  const int64_t nb = p.size(0), kp = p.size(1);
-  return p.permute({0, 2, 1, 3}).reshape({nb * kBlock, kp * 2}).narrow(0, 0, n).narrow(1, 0, k).contiguous();
 }
 
 #if GS_AVX512
@@ -278,8 +256,5 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
 
 GS_LIBRARY(m) {
   m.def("level() -> str", [] { return std::string(GS_LEVEL_NAME); });
-  m.def("supported() -> bool", &supported);
-  m.def("pack(Tensor w) -> Tensor", &pack);
-  m.def("unpack(Tensor p, int n, int k) -> Tensor", &unpack);
   m.def("linear(Tensor x, Tensor p, int n, Tensor? bias) -> Tensor", &linear);
 }
