@@ -22,6 +22,7 @@ import torch
 PERF_DIR = Path(__file__).resolve().parent
 PROMPTS_FILE = PERF_DIR / "prompts.json"
 RESULTS_DIR = PERF_DIR / "results"
+RESULTS_CSV = PERF_DIR / "results.csv"  # the results table: one row per run and method (append_results)
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -44,16 +45,22 @@ def machine_info() -> dict:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         for line in out.splitlines():
-            if line.startswith("Model name:"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key in ("Model name", "CPU family", "Model"):
+                info[{"Model name": "cpu_model", "CPU family": "cpu_family", "Model": "cpu_model_number"}[key]] = (
+                    value.strip())
     except (OSError, subprocess.SubprocessError):
         pass
     try:
         flags = Path("/proc/cpuinfo").read_text(errors="replace")
         info["avx512_bf16"] = " avx512_bf16" in flags
         info["amx_bf16"] = " amx_bf16" in flags
+        first = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
+        have = set(first.partition(":")[2].split())
+        info["cpu_flags"] = " ".join(f for f in CPU_FLAGS if f in have)
     except OSError:
         pass
+    info["commit"] = _commit()
 
     from graphspec.kernels import cpu
 
@@ -78,6 +85,23 @@ def machine_info() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+# The instruction-set flags that decide which kernels run (graphspec.kernels.cpu levels, oneDNN's AMX path).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def _commit() -> str:
+    """The checkout's commit, with "-dirty" when graphspec's own code differs from it (what the figures ran)."""
+    root = PERF_DIR.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "graphspec", "models", "kernels"], cwd=root,
+                               capture_output=True, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{head}-dirty" if head and dirty else head
 
 
 def sync(device) -> None:
@@ -182,4 +206,78 @@ def output_path(name: str) -> Path:
 
 def save_json(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------ the results table
+
+RESULTS_COLUMNS = (
+    "date", "commit", "machine", "cpu_family_model", "cpu_flags", "cpu_level", "threads", "dtype", "target",
+    "draft", "method", "draft_settings", "k", "prompts", "max_new_tokens", "tokens_per_second", "x_our_ar", "x_transformers",
+    "transformers_peer", "x_llamacpp", "tokens_per_target_forward", "same_tokens_as_ar", "step_ms", "read_gbps",
+    "source")
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def results_rows(report: dict, drafts: dict, source: str = "perf/e2e.py") -> list[dict]:
+    """One results-table row per dtype and method of a perf/e2e.py report (its JSON, as written).
+
+    ``x_our_ar``: tok/s over graphspec's autoregressive run in the same report; ``x_transformers``: over the
+    transformers method named in ``transformers_peer`` (assisted generation with the same draft, ``generate``
+    otherwise); ``x_llamacpp``: decode tok/s over llama.cpp's (``--llamacpp``); ``same_tokens_as_ar``:
+    prompts whose tokens equal the autoregressive ones, of all prompts. ``drafts``: method -> draft name.
+    """
+    m = report["machine"]
+    family = f"{m['cpu_family']}/{m['cpu_model_number']}" if m.get("cpu_family") else ""
+    flags = m.get("cpu_flags")
+    if flags is None:  # reports older than the flag list kept two booleans
+        flags = " ".join(f for f in ("avx512_bf16", "amx_bf16") if m.get(f))
+    base = {"date": m.get("date", ""), "commit": m.get("commit", ""), "machine": m.get("cpu_model", ""),
+            "cpu_family_model": family, "cpu_flags": flags, "cpu_level": m.get("cpu_level", ""),
+            "threads": m.get("torch_threads", ""), "target": report.get("target", ""),
+            "prompts": report.get("num_prompts", ""), "max_new_tokens": report.get("max_new_tokens", ""),
+            "read_gbps": _fmt(report.get("read_bandwidth", {}).get("gbps_median"), 1), "source": source}
+    rows = []
+    for dname, d in report["dtypes"].items():
+        summary = d["summary"]
+        ar = summary.get("ar", {}).get("tokens_per_second")
+        lc = d.get("vs_llamacpp", {})
+        n = report.get("num_prompts")
+        for method, s in summary.items():
+            draft = drafts.get(method) or ""
+            settings = ""
+            if draft and draft != "ngram" and not method.startswith("hf_"):  # graphspec's model drafts
+                shape = {"chain": 0, "beam": 0}.get(method.rsplit("_", 1)[-1], d.get("draft_siblings"))
+                known = {"quantize": d.get("draft_quantize", "?"), "vocab": d.get("draft_vocab", "?"),
+                         "siblings": "?" if shape is None else shape}
+                if method.endswith("_beam"):
+                    known["beam"] = 2
+                settings = " ".join(f"{k}={v}" for k, v in known.items())
+            differ = s.get("prompts_differing_from_ar", s.get("prompts_differing_from_graphspec_ar"))
+            rows.append({**base, "dtype": dname, "draft": draft, "method": method, "draft_settings": settings,
+                         "k": s.get("num_speculative_tokens", ""),
+                         "tokens_per_second": _fmt(s["tokens_per_second"], 2),
+                         "x_our_ar": _fmt(s["tokens_per_second"] / ar if ar else None),
+                         "x_transformers": _fmt(s.get("speedup_vs_hf_peer")),
+                         "transformers_peer": s.get("hf_peer", ""),
+                         "x_llamacpp": _fmt(lc.get(method, {}).get("speedup_vs_llamacpp")),
+                         "tokens_per_target_forward": _fmt(s.get("tokens_per_target_forward")),
+                         "same_tokens_as_ar": "" if differ is None or method == "ar" else f"{n - differ}/{n}",
+                         "step_ms": _fmt(s.get("step_ms"), 1)})
+    return rows
+
+
+def append_results(report: dict, drafts: dict, path: Path = RESULTS_CSV, source: str = "perf/e2e.py") -> Path:
+    """Append a report's rows to the results table (perf/results.csv), writing the header for a new file."""
+    import csv
+
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
+        if new:
+            w.writeheader()
+        w.writerows(results_rows(report, drafts, source))
     return path

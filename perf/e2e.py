@@ -17,7 +17,8 @@ Reported per method: tokens/s (wall time of the whole call, prefill included), t
 over graphspec's own autoregressive run and over transformers' assisted generation for the
 same draft, acceptance rate, tokens per target forward, and whether the tokens equal the
 autoregressive ones (required in fp32; bf16 reports how many prompts differ). Results:
-perf/results/e2e[-short].json; the acceptance figures also go to perf/acceptance.json (used by
+perf/results/e2e[-short].json; one row per dtype and method is appended to the results table,
+perf/results.csv (``--no-results-table``: not); the acceptance figures also go to perf/acceptance.json (used by
 perf/gpu_check.py to project a GPU speedup).
 
 ``--llamacpp`` (optional; perf/llamacpp.py builds llama.cpp from the llama-cpp-python sdist on first
@@ -43,8 +44,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, TARGET, load_prompts, machine_info, read_bandwidth,  # noqa: E402
-                          output_path, save_json, step_weight_bytes)
+from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, RESULTS_CSV, TARGET, append_results, load_prompts,  # noqa: E402
+                          machine_info, output_path, read_bandwidth, save_json, step_weight_bytes)
 
 from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E402
 
@@ -63,10 +64,9 @@ class Method:
 
 # spec_0.5b and spec_smollm2 draft trees (draft_siblings "auto", as the CLI); the *_chain methods are the same
 # pairs as plain chains, so one run compares the two; spec_0.5b_beam and spec_smollm2_beam grow the draft's tree
-# best first (Pipeline(draft_beam=BEAM_WIDTH)). K: SmolLM2 (bf16, 4 prompts x 64 tokens,
-# perf/baselines/e2e-cpu/draft_sweep-bf16-cross-siblings*.txt): as a tree K=5 beat K=4 by 2-6% in two sweeps
-# (6 rows is where the AMD CPU's verify cost is still flat); as a chain K=4 beat K=5. Beams: K=8 (README,
-# "Draft beams"; where extra verify rows are cheap, as with AMX).
+# best first (Pipeline(draft_beam=BEAM_WIDTH)). Each K is the one the draft sweeps picked for that shape
+# (perf/RESULTS.md): a tree fills up to K + 1 verify rows, so its K stops where a verify still costs about a
+# one-token step; beams take a larger K, which pays where extra verify rows are cheap (AMX).
 SPECS = {
     "ar": Method(None),
     "spec_0.5b": Method(DRAFT, "tree", 5, "k_model", "hf_assist_0.5b"),
@@ -82,6 +82,7 @@ BEAM_WIDTH = 2
 DEFAULT_K = {m: s.k for m, s in SPECS.items() if s.k is not None}  # perf/test_e2e.py runs these too
 HF_DRAFT = {"hf_ar": None, "hf_assist_0.5b": DRAFT, "hf_assist_smollm2": CROSS_DRAFT}  # transformers' methods
 HF_METHODS = tuple(HF_DRAFT)
+METHOD_DRAFTS = {**{m: s.draft for m, s in SPECS.items()}, **HF_DRAFT}  # each method's draft, for the results table
 # Every model draft's early-stop threshold, passed to Pipeline and recorded in the JSON (as the CLI: 0.4 for a
 # draft with the target's tokenizer, 0.3 for one with another).
 DRAFT_CONFIDENCE = "auto"
@@ -423,6 +424,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
                                                  "default e2e.json (e2e-short.json with --short)")
     ap.add_argument("--no-acceptance-file", action="store_true")
+    ap.add_argument("--no-results-table", action="store_true",
+                    help="do not append this run's rows to perf/results.csv (the results table)")
     ap.add_argument("--llamacpp", action="store_true",
                     help="also run llama.cpp (F16; plain llama-bench and llama-speculative with the 0.5B draft) at the "
                          "same threads / prompts / tokens, and report our ratios to it (perf/llamacpp.py; the first "
@@ -480,6 +483,8 @@ def main(argv=None) -> int:
     log(f"# wrote {path}")
     if not args.no_acceptance_file:
         log(f"# wrote {write_acceptance(report)}")
+    if not args.no_results_table:
+        log(f"# appended to {append_results(report, METHOD_DRAFTS, RESULTS_CSV)}")
     return 0
 
 

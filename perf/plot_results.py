@@ -1,0 +1,83 @@
+"""Draw the results table (perf/results.csv): speedup over our autoregressive run, per draft pair and machine.
+
+    .venv/bin/python perf/plot_results.py                    # -> docs/img/results.png
+    .venv/bin/python perf/plot_results.py --dtype fp32 --out /tmp/fp32.png
+
+One panel per draft pair (the 0.5B draft, SmolLM2-135M across tokenizers); each line is one machine and
+thread count, each point one full run (4 prompts x 128 tokens) of the pair's tree method, in date order.
+Ratios compare runs within one report (interleaved), so points from different days compare as ratios only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from datetime import datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf._common import PERF_DIR, RESULTS_CSV  # noqa: E402
+
+PAIRS = {"spec_0.5b": "Qwen2.5-Coder-0.5B draft (tree)", "spec_smollm2": "SmolLM2-135M draft (tree, other tokenizer)"}
+DEFAULT_OUT = PERF_DIR.parent / "docs" / "img" / "results.png"
+
+
+def load(path: Path, dtype: str, full_only: bool = True) -> list[dict]:
+    """The rows of the two pairs' tree methods in ``dtype`` (full runs only unless ``full_only`` is False)."""
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["method"] in PAIRS and r["dtype"] == dtype and r["x_our_ar"]]
+    if full_only:
+        rows = [r for r in rows if r["prompts"] == "4" and r["max_new_tokens"] == "128"]
+    return rows
+
+
+def plot(rows: list[dict], out: Path, dtype: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.dates
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise SystemExit(f"no {dtype} rows of {sorted(PAIRS)} with 4 prompts x 128 tokens in the table; "
+                         "run perf/e2e.py first or pick another --dtype")
+    fig, axes = plt.subplots(1, len(PAIRS), figsize=(11, 4), sharey=True)
+    for ax, (method, title) in zip(axes, PAIRS.items()):
+        lines: dict[str, list[tuple[datetime, float]]] = {}
+        for r in rows:
+            if r["method"] == method:
+                key = f"{r['machine']}, {r['threads']} thread{'s' if r['threads'] != '1' else ''}"
+                when = datetime.strptime(r["date"][:16], "%Y-%m-%d %H:%M")
+                lines.setdefault(key, []).append((when, float(r["x_our_ar"])))
+        for key, pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.xaxis.set_major_formatter(matplotlib.dates.DateFormatter("%m-%d %H:%M"))
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel(f"tok/s / our autoregressive ({dtype})")
+    fig.suptitle("Qwen2.5-Coder-1.5B target, greedy, 4 prompts x 128 tokens (perf/results.csv)", fontsize=11)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--csv", type=Path, default=RESULTS_CSV, help="the results table (default perf/results.csv)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the PNG to write (default docs/img/results.png)")
+    args = ap.parse_args(argv)
+    if not args.csv.is_file():
+        raise SystemExit(f"--csv {args.csv}: no such file; perf/e2e.py writes perf/results.csv")
+    print(f"wrote {plot(load(args.csv, args.dtype), args.out, args.dtype)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
