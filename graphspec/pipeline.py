@@ -34,6 +34,8 @@ from graphspec.drafters import (AUTO_DRAFT_SIBLINGS, ModelDrafter, NgramDrafter,
                                 check_confidence_threshold, check_siblings)
 from graphspec.graph import Graph, Stage
 from graphspec.kernels import EXACT_ROWS_MAX, use_backend
+from graphspec.kernels.sampling import check_seed, seeded_generator
+from graphspec.models.tokenizer import check_message, check_text
 from graphspec.state import RunInfo, SamplingParams, State
 from graphspec.stats import GenerationStats
 from graphspec.verify import TreeVerify, Verify
@@ -146,7 +148,7 @@ def _check_positive_int(name: str, v, minimum: int = 1) -> int:
 
 
 def _random_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    return int.from_bytes(os.urandom(8), "little")  # any of the 2**64 seeds
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -263,7 +265,16 @@ class Pipeline:
 
         drafter: Stage | None
         between: list[Stage] = []
-        model_draft = not (draft is None or isinstance(draft, Stage) or (isinstance(draft, str) and draft == "ngram"))
+        # draft=[model, "suffix"]: a hybrid (graphspec.suffix.HybridDrafter) over that model draft
+        hybrid = isinstance(draft, (list, tuple))
+        if hybrid:
+            if len(draft) != 2 or not (isinstance(draft[1], str) and draft[1] == "suffix") or (
+                    isinstance(draft[0], str) and draft[0] in ("ngram", "suffix")) or isinstance(draft[0], Stage):
+                raise ValueError(f"a hybrid draft is [model, 'suffix'] (a model path, zoo name or loaded model, then "
+                                 f"'suffix'), got {draft!r}")
+            draft = draft[0]
+        model_draft = not (draft is None or isinstance(draft, Stage) or (isinstance(draft, str)
+                                                                         and draft in ("ngram", "suffix")))
         if draft_quantize is not None and not model_draft:
             raise ValueError(f"draft_quantize={draft_quantize!r} needs a model draft (a path or zoo name), "
                              f"got draft={draft!r}")
@@ -282,6 +293,10 @@ class Pipeline:
             drafter = draft
         elif isinstance(draft, str) and draft == "ngram":
             drafter = NgramDrafter(max_ngram=max_ngram)
+        elif isinstance(draft, str) and draft == "suffix":
+            from graphspec.suffix import SuffixDrafter
+
+            drafter = SuffixDrafter()
         else:
             self.draft = _load(draft, "draft", dtype, device or self.target.device, backend, draft_quantize)
             if torch.device(self.draft.device) != torch.device(self.target.device):
@@ -300,9 +315,15 @@ class Pipeline:
                 between.append(mapper)
 
         verify: Stage = Verify(self.target)
-        if siblings or beam:
+        if hybrid:
+            from graphspec.suffix import HybridDrafter
+
+            drafter = HybridDrafter([drafter, *between])
+            between = []
+        if siblings or beam or (drafter is not None and "draft_parents" in drafter.writes):
             if acceptance not in (None, "rejection"):
-                what = f"draft_siblings={siblings}" if siblings else f"draft_beam={beam}"
+                what = (f"draft_siblings={siblings}" if siblings else f"draft_beam={beam}" if beam
+                        else f"the {type(drafter).__name__} draft")
                 raise ValueError(f"{what} verifies a draft tree, which needs its own acceptance "
                                  f"rule (TreeAcceptance, greedy and sampling); leave acceptance=None, got "
                                  f"{acceptance!r}")
@@ -359,6 +380,7 @@ class Pipeline:
         if isinstance(prompt, str):
             if tok is None:
                 raise ValueError("prompt is a string but the target has no tokenizer; pass token ids")
+            check_text(prompt, "prompt")
             ids = tok.encode(prompt)
         elif isinstance(prompt, torch.Tensor):
             if prompt.ndim != 1 or prompt.dtype.is_floating_point:
@@ -370,8 +392,7 @@ class Pipeline:
                 raise ValueError("prompt is a list of chat messages but the target's tokenizer has no chat template; "
                                  "pass a string or token ids")
             for i, m in enumerate(prompt):
-                if "role" not in m or "content" not in m:
-                    raise ValueError(f"prompt message #{i} needs 'role' and 'content' keys, got {sorted(m)}")
+                check_message(m, i)
             ids = tok.encode(tok.apply_chat_template(list(prompt), add_generation_prompt=True),
                              add_special_tokens=False)
         elif isinstance(prompt, (list, tuple)):
@@ -389,6 +410,8 @@ class Pipeline:
         return ids
 
     def _prepare(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop):
+        if seed is not None:
+            check_seed(seed)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         _check_positive_int("max_new_tokens", max_new_tokens)
         if stop is None:
@@ -399,6 +422,8 @@ class Pipeline:
             stops = list(stop)
         else:
             raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        for s in stops:
+            check_text(s, "a stop string")
         if any(s == "" for s in stops):
             raise ValueError("stop holds an empty string, which would stop before the first token")
         if stops and self.tokenizer is None:
@@ -432,8 +457,7 @@ class Pipeline:
         run = RunInfo(target=target, vocab_size=target.config.vocab_size, device=device,
                       capacity=capacity, prompt_len=len(ids), num_speculative_tokens=K)
         state = State(run)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(params.seed if params.seed is not None else _random_seed())
+        gen = seeded_generator(params.seed if params.seed is not None else _random_seed(), device)
         state.tokens = list(ids)
         # The committed ids on the device too, so stages slice their inputs without host->device
         # copies; each step writes its whole emitted row at len(tokens) (the -1 tail is scratch).
@@ -500,6 +524,10 @@ class Pipeline:
             stats.draft_forwards = run.draft_forwards
             stats.vocab = run.extra.get("vocab")
             stats.tree = run.extra.get("tree")
+            for stage in graph:  # stages that learn from a finished generation (graphspec.suffix)
+                end = getattr(stage, "end", None)
+                if end is not None:
+                    end(state)
 
     def _generate(self, ids, max_new_tokens, params, ignore_eos, stops) -> Iterator[str]:
         """Yields text pieces as tokens are committed; returns the GenerationResult."""

@@ -30,7 +30,11 @@ import triton.language as tl
 
 from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, interpreter_enabled, use_triton
 
-__all__ = ["warp_logits", "warp_logits_ref", "sample", "sample_ref", "exponential_noise"]
+__all__ = ["warp_logits", "warp_logits_ref", "sample", "sample_ref", "exponential_noise", "seeded_generator",
+           "check_seed", "SEED_LIMIT"]
+
+# Seeds are integers in [0, SEED_LIMIT): every one of them names its own random stream.
+SEED_LIMIT = 1 << 64
 
 # Smallest positive normal fp32: noise is clamped to it so probs / noise never divides by zero.
 _TINY = torch.finfo(torch.float32).tiny
@@ -130,6 +134,68 @@ def exponential_noise(shape, generator: torch.Generator | None = None, device=No
     noise = torch.empty(tuple(shape), dtype=torch.float32, device=device)
     noise.exponential_(generator=generator)
     return noise.clamp_(min=_TINY)
+
+
+def check_seed(seed, what: str = "seed") -> int:
+    """``seed`` if it is an int in [0, 2**64), else ValueError naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        text = repr(seed) if len(repr(seed)) <= 40 else repr(seed)[:30] + "..."
+        raise ValueError(f"{what}={text} is not a valid seed; use an integer with 0 <= {what} < 2**64")
+    return seed
+
+
+# Byte offsets in torch's CPU generator state (the legacy THGeneratorState layout): the initial seed, then
+# ``left``, ``seeded`` and ``next``, then the 624 Mersenne Twister words, one uint64 each.
+_MT_WORDS_AT, _MT_N = 24, 624
+
+
+def seeded_generator(seed: int, device) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` whose stream is a function of all 64 bits of ``seed``.
+
+    CUDA's Philox generator takes a 64-bit seed as is. torch's CPU Mersenne Twister is seeded from the low
+    32 bits only (seeds 1 and 2**32 + 1 would draw the same numbers), so for seeds of 2**32 and above its
+    624-word state is filled with the reference MT19937 ``init_by_array`` of the seed's two 32-bit halves.
+    Seeds below 2**32 keep torch's own seeding, so their streams are unchanged.
+    """
+    seed = check_seed(seed)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    if gen.device.type != "cpu" or seed < (1 << 32):
+        return gen
+    state = gen.get_state()
+    words = torch.tensor(_mt_init_by_array([seed & 0xFFFFFFFF, seed >> 32]), dtype=torch.int64)
+    end = _MT_WORDS_AT + 8 * _MT_N
+    if state.numel() < end or int.from_bytes(bytes(state[:8].tolist()), "little") != seed:
+        raise RuntimeError("torch's CPU generator state has an unknown layout; seeds of 2**32 and above cannot be "
+                           "given their own stream with this torch version")
+    state = state.clone()
+    state[_MT_WORDS_AT:end] = words.view(torch.uint8)
+    gen.set_state(state)
+    return gen
+
+
+def _mt_init_by_array(key: list[int]) -> list[int]:
+    """MT19937's reference ``init_by_array`` (Matsumoto and Nishimura, 2002): the 624 state words for a key."""
+    m = 0xFFFFFFFF
+    mt = [0] * _MT_N
+    mt[0] = 19650218
+    for i in range(1, _MT_N):
+        mt[i] = (1812433253 * (mt[i - 1] ^ (mt[i - 1] >> 30)) + i) & m
+    i, j = 1, 0
+    for _ in range(max(_MT_N, len(key))):
+        mt[i] = ((mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1664525)) + key[j] + j) & m
+        i, j = i + 1, j + 1
+        if i >= _MT_N:
+            mt[0], i = mt[_MT_N - 1], 1
+        if j >= len(key):
+            j = 0
+    for _ in range(_MT_N - 1):
+        mt[i] = ((mt[i] ^ ((mt[i - 1] ^ (mt[i - 1] >> 30)) * 1566083941)) - i) & m
+        i += 1
+        if i >= _MT_N:
+            mt[0], i = mt[_MT_N - 1], 1
+    mt[0] = 0x80000000  # a non-zero state is guaranteed
+    return mt
 
 
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -9,11 +9,37 @@
 - After a tree verify (draft branches side by side in the cache) ``keep(start, slots)`` moves the
   accepted path's entries down to consecutive slots from ``start`` and cuts the rest.
 - A cache belongs to one run; a model holds weights only and can hand out many caches.
+- Its size is checked against the memory the device has free before anything is allocated, so an
+  absurd length (a huge max_new_tokens) is one clear error instead of an allocator failure or swap.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def available_bytes(device: torch.device | str) -> int | None:
+    """Memory free for new tensors on ``device`` (MemAvailable on a CPU, free memory on a GPU); None if unknown."""
+    device = torch.device(device)
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError):
+        pass
+    return None
+
+
+def check_fits(nbytes: int, device: torch.device | str, what: str) -> None:
+    """Raise ValueError if ``nbytes`` more would not fit in ``device``'s free memory."""
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of memory is free on "
+                         f"{device}; lower max_new_tokens or shorten the prompt")
 
 
 class KVCache:
@@ -24,6 +50,9 @@ class KVCache:
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"KVCache {name}={v!r}; expected a positive integer")
         shape = (batch_size, capacity, num_kv_heads, head_dim)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        check_fits(2 * num_layers * batch_size * capacity * num_kv_heads * head_dim * itemsize, device,
+                   f"a KV cache of {capacity} positions ({num_layers} layers, {num_kv_heads} KV heads of {head_dim})")
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0

@@ -17,6 +17,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 import struct
 from pathlib import Path
 
@@ -34,6 +37,8 @@ _ALL_ST_DTYPES = {**_ST_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# At most this many names are listed per kind of problem (a hostile config can make thousands go missing).
+_MAX_LISTED = 12
 # Buffers some older checkpoints saved; we recompute them from the config, so they are not "unexpected".
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -142,29 +147,62 @@ def build(config: ModelConfig, t: dict[str, torch.Tensor], tokenizer=None, backe
 
 # --- safetensors -----------------------------------------------------------------------------------------------
 
+def check_regular_file(file: Path, what: str = "weights file") -> int:
+    """Raise ValueError unless ``file`` (after symlinks) is a regular file; return its size.
+
+    Opening a directory fails and opening a named pipe blocks forever, so weights are only ever
+    opened after this check.
+    """
+    try:
+        st = os.stat(file)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {file} does not exist; the download is incomplete") from None
+    except OSError as e:
+        raise ValueError(f"{what} {file} cannot be read ({e.strerror}); check its permissions") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a named pipe" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise ValueError(f"{what} {file} is {kind}, not a regular file; replace it with the real file "
+                         "(re-download the checkpoint)")
+    return st.st_size
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
 def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of a checkpoint: the index's shards, else model.safetensors, else every *.safetensors."""
     index = directory / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index (JSON with a 'weight_map'): {e}") from e
+        except (ValueError, RecursionError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index (JSON with a 'weight_map'): "
+                             f"{type(e).__name__}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
             raise ValueError(f"{index} has a weight_map that is not a {{tensor name: shard file}} object")
         shards = sorted(set(weight_map.values()))
         for s in shards:
             if Path(s).name != s:
                 raise ValueError(f"{index} names shard {s!r}, which is not a plain file name in the checkpoint directory")
-        missing = [s for s in shards if not (directory / s).is_file()]
+        missing = [s for s in shards if not (directory / s).exists()]
+        for s in shards:
+            if s not in missing:
+                check_regular_file(directory / s, "shard")
         if missing:
             raise FileNotFoundError(f"{index} names shard(s) that do not exist in {directory}: {', '.join(missing)}; "
                                     "the download is incomplete")
         return [directory / s for s in shards]
     single = directory / "model.safetensors"
-    if single.is_file():
+    if single.exists():
+        check_regular_file(single)
         return [single]
     files = sorted(directory.glob("*.safetensors"))
+    for file in files:
+        check_regular_file(file)
     if not files:
         pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
         hint = (f" (found {', '.join(pickles)}: pickled weights are never loaded; convert them to safetensors)"
@@ -175,7 +213,7 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 def read_header(file: Path) -> dict[str, dict]:
     """Check one safetensors file's framing and return its tensor entries {name: {dtype, shape, data_offsets}}."""
-    size = file.stat().st_size
+    size = check_regular_file(file)
     with open(file, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -188,8 +226,8 @@ def read_header(file: Path) -> dict[str, dict]:
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} has a corrupt safetensors header (not JSON: {e})") from e
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep, an int too long
+        raise ValueError(f"{file} has a corrupt safetensors header (not JSON: {type(e).__name__})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{file} has a corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     header.pop("__metadata__", None)
@@ -198,10 +236,11 @@ def read_header(file: Path) -> dict[str, dict]:
         where = f"{file}: tensor {name!r}"
         if (not isinstance(e, dict) or not isinstance(e.get("shape"), list) or not isinstance(e.get("data_offsets"), list)
                 or len(e["data_offsets"]) != 2
-                or not all(isinstance(x, int) and x >= 0 for x in e["shape"] + e["data_offsets"])):
-            raise ValueError(f"{where} has a corrupt header entry {e!r}")
-        if e.get("dtype") not in _ALL_ST_DTYPES:
-            raise ValueError(f"{where} has unknown dtype {e.get('dtype')!r}")
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                           for x in e["shape"] + e["data_offsets"])):
+            raise ValueError(f"{where} has a corrupt header entry {_cut(repr(e))}")
+        if not isinstance(e.get("dtype"), str) or e["dtype"] not in _ALL_ST_DTYPES:
+            raise ValueError(f"{where} has unknown dtype {_cut(repr(e.get('dtype')))}")
         start, end = e["data_offsets"]
         numel = 1
         for s in e["shape"]:
@@ -212,6 +251,34 @@ def read_header(file: Path) -> dict[str, dict]:
         if end - start != numel * _ALL_ST_DTYPES[e["dtype"]]:
             raise ValueError(f"{where} is corrupt: {end - start} bytes for shape {e['shape']} of {e['dtype']}")
     return header
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= 200 else text[:160] + f"... ({len(text)} characters)"
+
+
+def _check_against_config(directory: Path, expected: dict[str, tuple[int, ...]], entries: dict[str, dict],
+                          where: dict[str, Path]) -> None:
+    """The config's sizes against the weights' own, in one line each, before any per-tensor check: a config
+    claiming a million layers or another width is named for what it is, not as thousands of missing tensors."""
+    embed = entries.get("model.embed_tokens.weight")
+    want_v, want_h = expected["model.embed_tokens.weight"]
+    if embed is not None and len(embed["shape"]) == 2:
+        rows, cols = embed["shape"]
+        file = where["model.embed_tokens.weight"].name
+        if rows != want_v:
+            raise ValueError(f"config.json has vocab_size={want_v} but model.embed_tokens.weight in {file} has "
+                             f"{rows} rows; the config and the weights disagree")
+        if cols != want_h:
+            raise ValueError(f"config.json has hidden_size={want_h} but model.embed_tokens.weight in {file} has "
+                             f"{cols} columns; the config and the weights disagree")
+    want_layers = sum(1 for n in expected if n.endswith(".input_layernorm.weight"))
+    found = {int(m.group(1)) for n in entries if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    have_layers = max(found) + 1 if found else 0
+    if found and have_layers != want_layers:
+        raise ValueError(f"checkpoint {directory}: config.json has num_hidden_layers={want_layers} but the weights "
+                         f"hold layers 0..{have_layers - 1} ({have_layers} layers); the config and the weights "
+                         "disagree")
 
 
 def read_safetensors(directory: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
@@ -237,11 +304,7 @@ def read_safetensors(directory: Path, expected: dict[str, tuple[int, ...]], dtyp
             elif where[name].name != shard:
                 problems.append(f"{name} is listed in {INDEX_FILE} under {shard} but lies in {where[name].name}")
 
-    embed = entries.get("model.embed_tokens.weight")
-    if embed is not None and len(embed["shape"]) == 2 and embed["shape"][0] != expected["model.embed_tokens.weight"][0]:
-        raise ValueError(f"config.json has vocab_size={expected['model.embed_tokens.weight'][0]} but "
-                         f"model.embed_tokens.weight in {where['model.embed_tokens.weight'].name} has "
-                         f"{embed['shape'][0]} rows; the config and the weights disagree")
+    _check_against_config(directory, expected, entries, where)
     missing = [n for n in expected if n not in entries]
     # Some writers store the tied head anyway; it is accepted only if it really equals the embedding (checked below).
     tied_copy = ("lm_head.weight" in entries and "lm_head.weight" not in expected
@@ -256,13 +319,15 @@ def read_safetensors(directory: Path, expected: dict[str, tuple[int, ...]], dtyp
     if missing:
         hint = ("; the config has tie_word_embeddings=false, so an lm_head is required"
                 if "lm_head.weight" in missing else "")
-        problems.append(f"missing tensors: {', '.join(missing)}{hint}")
+        problems.append(f"missing tensors: {_listed(missing)}{hint}")
     if unexpected:
         hint = ("; the config has tie_word_embeddings=true, so lm_head.weight should not be stored"
                 if "lm_head.weight" in unexpected else "")
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}{hint}")
-    problems.extend(misshaped)
-    problems.extend(not_float)
+        problems.append(f"unexpected tensors: {_listed(unexpected)}{hint}")
+    for kind in (misshaped, not_float):
+        problems.extend(kind[:_MAX_LISTED])
+        if len(kind) > _MAX_LISTED:
+            problems.append(f"... and {len(kind) - _MAX_LISTED} more like it")
     if problems:
         raise ValueError(f"checkpoint {directory} does not match its config.json "
                          f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
@@ -296,4 +361,4 @@ def _index_map(directory: Path) -> dict[str, str] | None:
     index = directory / INDEX_FILE
     if not index.is_file():
         return None
-    return json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    return json.loads(index.read_text(encoding="utf-8"))["weight_map"]  # already validated by safetensors_files

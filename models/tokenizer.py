@@ -135,6 +135,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"encode(text=...) takes a str, got {type(text).__name__}")
+        check_text(text, "the text to encode")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -163,15 +164,19 @@ class Tokenizer:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("apply_chat_template(messages=...) needs a non-empty list of {'role', 'content'} dicts")
         chat = []
-        for m in messages:
-            if not isinstance(m, dict):
-                raise ValueError(f"chat messages must be dicts like {{'role': 'user', 'content': '...'}}, got {m!r}")
+        for i, m in enumerate(messages):
+            check_message(m, i)
             chat.append({k: v for k, v in m.items() if v is not None})  # transformers drops None values too
         compiled = self._compiled.get(template)
         if compiled is None:
             compiled = self._compiled[template] = _compile_template(template)
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
-        return compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+        import jinja2
+
+        try:
+            return compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.exceptions.TemplateError as e:  # raise_exception() in the template, or what it cannot render
+            raise ValueError(f"the chat template refused these messages: {e}") from None
 
     def _pick_template(self, name_or_template: str | None, tools) -> str:
         t = self.chat_template
@@ -191,6 +196,36 @@ class Tokenizer:
             raise ValueError(f"{self.source} has no chat template (neither chat_template.jinja nor a chat_template "
                              "entry in tokenizer_config.json); pass a plain prompt string instead of messages")
         return t
+
+
+def check_text(text: str, what: str) -> None:
+    """Raise ValueError if ``text`` cannot be UTF-8 encoded: lone surrogates, which is what invalid UTF-8 bytes
+    in a command-line argument become (Python decodes argv with surrogateescape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 text (character {e.start} is {text[e.start]!r}, an undecodable "
+                         "byte); pass UTF-8 text") from None
+
+
+def check_message(m, i: int) -> None:
+    """A chat message is a dict with a str "role" and a str "content" (more keys are passed to the template)."""
+    if not isinstance(m, dict):
+        raise ValueError(f"chat message #{i} is a {type(m).__name__}; expected a dict like "
+                         "{'role': 'user', 'content': '...'}")
+    for key in ("role", "content"):
+        if key not in m:
+            raise ValueError(f"chat message #{i} has no {key!r} key; expected a dict like "
+                             "{'role': 'user', 'content': '...'}")
+        v = m[key]
+        if not isinstance(v, str):
+            raise ValueError(f"chat message #{i} has {key}={_brief(v)} ({type(v).__name__}); {key} must be a string")
+        check_text(v, f"chat message #{i}'s {key}")
+
+
+def _brief(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:50] + "..."
 
 
 class StreamDecoder:
@@ -253,8 +288,8 @@ def _token_content(v, where: str) -> str | None:
 def _read_json(path: Path) -> dict:
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep, an int too long
+        raise ValueError(f"{path} is not valid JSON ({type(e).__name__})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(d).__name__}")
     return d
