@@ -6,8 +6,9 @@
   a speculation length K from the measured per-position acceptance and costs.
 - ``fetch`` / ``models`` manage the zoo cache.
 
-Every user error (unknown model, missing path, bad flag value) prints one line
-``graphspec: error: ...`` and exits with status 2; no traceback.
+Every user error (unknown model, missing path, bad flag value) prints one error,
+``graphspec: error: ...`` (with the indented lines that list its problems, when it has
+several), and exits with status 2; no traceback (docs/errors.md).
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ def _nonneg_int(text: str) -> int:
 
 def _draft_siblings(text: str) -> int | str:
     return text if text == "auto" else _int_at_least(text, 0, "an integer >= 0 or 'auto'")
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed with 0 <= seed < 2**64, got {text!r}") from None
+    if not 0 <= v < 1 << 64:
+        raise argparse.ArgumentTypeError(f"expected an integer seed with 0 <= seed < 2**64, got {v}")
+    return v
 
 
 def _nonneg_float(text: str) -> float:
@@ -127,14 +138,15 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
 
 def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="graphspec", description="Lossless speculative decoding for Llama-family models.")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,bench,fetch,models}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{run,bench,fetch,models,serve}")
 
     run = sub.add_parser("run", help="generate text, streaming it, then print stats")
     _add_model_flags(run)
     run.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    run.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    run.add_argument("--seed", type=_seed, default=None,
+                     help="seed for sampling, 0 <= seed < 2**64 (reproducible output)")
     run.add_argument("--max-new-tokens", type=_positive_int, default=128)
     run.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     run.add_argument("--ignore-eos", action="store_true")
@@ -154,6 +166,20 @@ def _build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name")
 
     sub.add_parser("models", help="list the zoo and what is cached")
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with batched speculative decoding")
+    _add_model_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    srv.add_argument("--max-batch", type=_positive_int, default=16, help="sequences decoded together (default 16)")
+    srv.add_argument("--max-queue", type=_nonneg_int, default=64,
+                     help="requests waiting for a slot before new ones get 429 (default 64)")
+    srv.add_argument("--policy", choices=["auto", "off"], default="auto",
+                     help="auto: each greedy request drafts as many tokens as pay at the current batch size "
+                          "(costs measured at start-up); off: always K")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
+    srv.add_argument("--default-max-tokens", type=_positive_int, default=256,
+                     help="new tokens of a chat request that names no max_tokens (default 256)")
     return ap
 
 
@@ -167,10 +193,15 @@ def _device(name: str | None):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         raise CLIError(f"--device {name!r} is not a device; use cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):  # meta, mps, xpu ...: graphspec runs on CPUs and CUDA GPUs only
+        raise CLIError(f"--device {name!r}: graphspec runs on cpu or cuda devices only; use --device cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA device(s); "
+                       "use --device cuda:0")
     return dev
 
 
@@ -212,13 +243,53 @@ def _load(path_or_name: str, what: str, dtype, device, quantize=None):
 
     try:
         return load_model(path_or_name, dtype=dtype, device=device, quantize=quantize)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        raise CLIError(f"--{what} {path_or_name!r}: {_first_line(e)}") from None
+    except (OSError, ValueError, KeyError) as e:
+        raise CLIError(f"--{what} {path_or_name!r}: {_message(e)}") from None
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+def _message(e: BaseException) -> str:
+    """The whole text of an error (every problem it lists, one per line); OSErrors name their file."""
+    if isinstance(e, KeyError) and e.args:
+        text = str(e.args[0])
+    elif isinstance(e, OSError) and e.strerror and not str(e).startswith(e.strerror):
+        text = str(e)
+    elif isinstance(e, OSError) and e.strerror:
+        text = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    else:
+        text = str(e)
+    return text.strip() or type(e).__name__
+
+
+def _text_arg(text: str, what: str) -> str:
+    """Refuse text that is not valid UTF-8 (invalid bytes in argv arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CLIError(f"{what} is not valid UTF-8 (byte {ord(text[e.start]) - 0xDC00:#04x} at character "
+                       f"{e.start}); pass UTF-8 text") from None
+    return text
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"the prompt on standard input is not valid UTF-8 (byte {data[e.start]:#04x} at offset "
+                       f"{e.start}); pass UTF-8 text") from None
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Find an unusable output path before the work that would be written to it."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise CLIError(f"{flag} {str(path)!r} is a directory; give a file path")
+    if not parent.is_dir():
+        raise CLIError(f"{flag} {str(path)!r}: the folder {str(parent)!r} does not exist; create it first")
+    if path.exists() and not (path.is_file() and os.access(path, os.W_OK)):
+        raise CLIError(f"{flag} {str(path)!r} cannot be written (not a regular writable file)")
+    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {str(path)!r}: the folder {str(parent)!r} is not writable")
 
 
 def cpu_threads(requested: int | None) -> int:
@@ -238,14 +309,15 @@ def cpu_threads(requested: int | None) -> int:
 
 
 def draft_quantize(choice: str, device) -> str | None:
-    """--draft-quantize: "auto" is int8 on a CPU (measured: a draft step 1.6-1.8x cheaper at the same
-    acceptance, perf/RESULTS.md) and none elsewhere (int8 weights are a CPU path)."""
-    if choice == "auto":
-        return "int8" if device.type == "cpu" else None
-    if choice in ("int8", "int4") and device.type != "cpu":
+    """--draft-quantize, by the rule ``Pipeline`` uses (graphspec.defaults): "auto" is int8 on a CPU, where a
+    draft step is bound by the bytes it reads, and none elsewhere (int8 weights are a CPU path)."""
+    from graphspec import defaults
+
+    try:
+        return defaults.draft_quantize(choice, device)
+    except ValueError:
         raise CLIError(f"--draft-quantize {choice} runs on the CPU only, but the device is {device}; "
-                       "use --draft-quantize none")
-    return None if choice == "none" else choice
+                       "use --draft-quantize none") from None
 
 
 def _pipelines(args):
@@ -279,15 +351,15 @@ def _draft_kw(args) -> dict:
         if not model_draft:
             raise CLIError("--draft-vocab prunes a model draft's vocabulary; give --draft a model")
         kw["draft_vocab"] = args.draft_vocab
-    elif args.draft_vocab == "auto" and model_draft:
-        kw["draft_vocab"] = "auto"  # graphspec.drafters.AUTO_DRAFT_VOCAB ids for an int8 draft, else all
+    elif model_draft:  # "auto" (graphspec.defaults, as Pipeline's default) or "none" (the whole vocabulary)
+        kw["draft_vocab"] = "auto" if args.draft_vocab == "auto" else None
     if args.draft_siblings == "auto":
         if model_draft:
-            kw["draft_siblings"] = "auto"  # graphspec.drafters.AUTO_DRAFT_SIBLINGS
-    elif args.draft_siblings:
-        if not model_draft:
+            kw["draft_siblings"] = "auto"  # graphspec.defaults: AUTO_DRAFT_SIBLINGS for a model draft
+    else:
+        if args.draft_siblings and not model_draft:
             raise CLIError("--draft-siblings branches a model draft's proposals; give --draft a model")
-        kw["draft_siblings"] = args.draft_siblings
+        kw["draft_siblings"] = args.draft_siblings  # 0: a chain
     if args.draft_beam:
         if not model_draft:
             raise CLIError("--draft-beam grows a model draft's tree; give --draft a model")
@@ -296,10 +368,12 @@ def _draft_kw(args) -> dict:
 
 
 def _cmd_run(args) -> int:
+    prompt = _read_stdin() if args.prompt == "-" else _text_arg(args.prompt, "the prompt")
+    for stop in args.stop or ():
+        _text_arg(stop, "--stop")
     target, draft, graphspec = _pipelines(args)
     pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
                               **_draft_kw(args))
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     gen = pipe.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -326,11 +400,21 @@ def _cmd_run(args) -> int:
 
 
 def _read_prompts(path: Path | None) -> list[dict]:
+    """The bench prompts: the built-in mix, or a file's, each checked (the error names its line).
+
+    A .jsonl line is a string, {"prompt": str}, {"messages": [{"role": str, "content": str}, ...]} or
+    {"token_ids": [int, ...]}, optionally with a "kind" string; any other line is an error.
+    """
     if path is None:
         return BUILTIN_PROMPTS
-    if not path.is_file():
+    if not path.exists():
         raise CLIError(f"--prompts {str(path)!r}: no such file")
-    text = path.read_text(encoding="utf-8")
+    if not path.is_file():
+        raise CLIError(f"--prompts {str(path)!r} is not a regular file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"--prompts {path}: not valid UTF-8 (byte offset {e.start})") from None
     prompts: list[dict] = []
     if path.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), 1):
@@ -338,18 +422,50 @@ def _read_prompts(path: Path | None) -> list[dict]:
                 continue
             try:
                 item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CLIError(f"--prompts {path}: line {n} is not JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:
+                raise CLIError(f"--prompts {path}: line {n} is not JSON ({getattr(e, 'msg', type(e).__name__)})") from None
             if isinstance(item, str):
                 item = {"prompt": item}
-            if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
-                raise CLIError(f"--prompts {path}: line {n} needs a \"prompt\" string or a \"messages\" list")
+            problem = _prompt_problem(item)
+            if problem:
+                raise CLIError(f"--prompts {path}: line {n} {problem}")
             prompts.append(item)
     else:
         prompts = [{"prompt": line} for line in text.splitlines() if line.strip()]
     if not prompts:
         raise CLIError(f"--prompts {path}: no prompts in the file")
     return prompts
+
+
+_PROMPT_FORMS = ('a "prompt" string, a "messages" list of {"role": str, "content": str} or a "token_ids" list of '
+                 'ints')
+
+
+def _prompt_problem(item) -> str | None:
+    """What is wrong with one bench prompt item (None if nothing)."""
+    if not isinstance(item, dict):
+        return f"is a JSON {type(item).__name__}; it needs {_PROMPT_FORMS}"
+    forms = [k for k in ("prompt", "messages", "token_ids") if k in item]
+    if len(forms) != 1:
+        return f"needs exactly one of {_PROMPT_FORMS}" + (f" (it has {', '.join(forms)})" if forms else "")
+    if "kind" in item and not isinstance(item["kind"], str):
+        return "has a \"kind\" that is not a string"
+    v = item[forms[0]]
+    if forms[0] == "prompt":
+        if not isinstance(v, str) or not v:
+            return f"has a \"prompt\" that is not a non-empty string (token ids go in \"token_ids\")"
+        return None
+    if forms[0] == "token_ids":
+        if not isinstance(v, list) or not v or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in v):
+            return "has \"token_ids\" that are not a non-empty list of non-negative ints"
+        return None
+    if not isinstance(v, list) or not v:
+        return "has \"messages\" that are not a non-empty list of {\"role\": str, \"content\": str}"
+    for i, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"has message #{i} that is not {{\"role\": str, \"content\": str}}"
+    return None
 
 
 def recommend_k(accepted_per_position: list[int], steps: int, verify_seconds: float, draft_seconds_per_token: float,
@@ -374,8 +490,10 @@ def recommend_k(accepted_per_position: list[int], steps: int, verify_seconds: fl
 
 
 def _cmd_bench(args) -> int:
-    target, draft, graphspec = _pipelines(args)
     prompts = _read_prompts(args.prompts)
+    if args.json is not None:
+        _check_writable(args.json, "--json")
+    target, draft, graphspec = _pipelines(args)
     k = max(args.k, args.max_k)
     base = graphspec.Pipeline(target)
     if args.draft_siblings not in ("auto", 0):
@@ -385,11 +503,13 @@ def _cmd_bench(args) -> int:
         raise CLIError("bench measures a chain's acceptance at each draft position to recommend K; a beam "
                        "(--draft-beam) would blur it: leave --draft-beam out")
     kw = _draft_kw(args)
-    kw.pop("draft_siblings", None)  # a chain, whatever run's default
+    kw["draft_siblings"] = 0  # a chain, whatever run's default
     spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping, **kw)
     has_template = getattr(target.tokenizer, "has_chat_template", False)
 
     def as_prompt(item):
+        if "token_ids" in item:
+            return item["token_ids"]
         if "messages" in item:
             if has_template:
                 return item["messages"]
@@ -451,9 +571,13 @@ def _cmd_bench(args) -> int:
         print(f"note: {tot['differ']} of {len(prompts)} outputs differ from autoregressive "
               "(low-precision rounding of batched forwards; run with --dtype fp32 for bitwise-stable greedy output)")
     if args.json is not None:
-        args.json.write_text(json.dumps({"prompts": rows, "autoregressive_tok_s": base_rate,
-                                         "speculative_tok_s": spec_rate, "k": k, "accepted_per_position": per_pos,
-                                         "recommended_k": best_k, "model": model_rows}, indent=1))
+        try:
+            args.json.write_text(json.dumps({"prompts": rows, "autoregressive_tok_s": base_rate,
+                                             "speculative_tok_s": spec_rate, "k": k, "accepted_per_position": per_pos,
+                                             "recommended_k": best_k, "model": model_rows}, indent=1))
+        except OSError as e:
+            raise CLIError(f"--json {str(args.json)!r} could not be written ({e.strerror}); the results are "
+                           "printed above") from None
     return 0
 
 
@@ -461,9 +585,9 @@ def _cmd_fetch(args) -> int:
     from graphspec.models import zoo
 
     try:
-        path = zoo.resolve(args.name, progress=True)
+        path = zoo.resolve(args.name, progress=True, repair=True)
     except ValueError as e:
-        raise CLIError(_first_line(e)) from None
+        raise CLIError(_message(e)) from None
     print(path)
     return 0
 
@@ -474,28 +598,60 @@ def _cmd_models(args) -> int:
     rows = zoo.list_models()
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        where = r.get("path") or "not cached (graphspec fetch NAME)"
+        if r.get("damaged"):
+            where = f"DAMAGED: {r['damaged']}"
+        else:
+            where = r.get("path") or "not cached (graphspec fetch NAME)"
         print(f"{r['name']:<{width}}  {where}")
+    return 0
+
+
+def _port(text: str) -> int:
+    v = _int_at_least(text, 0, "a port number in [0, 65535]")
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535], got {v}")
+    return v
+
+
+def _cmd_serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise CLIError(f"graphspec serve needs the server packages ({e.name} is missing): "
+                       f"pip install 'graphspec[serve]'") from None
+    from graphspec.server import serve
+
+    target, draft, graphspec = _pipelines(args)
+    pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
+                              **_draft_kw(args))
+    print(f"serving {args.served_model_name or args.target} on http://{args.host}:{args.port}/v1 "
+          f"(max batch {args.max_batch}, policy {args.policy if pipe.speculative else 'no draft'})",
+          file=sys.stderr, flush=True)
+    serve(pipe, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+          policy=args.policy, model_name=args.served_model_name or args.target,
+          default_max_tokens=args.default_max_tokens)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handler = {"run": _cmd_run, "bench": _cmd_bench, "fetch": _cmd_fetch, "models": _cmd_models}[args.command]
+    handler = {"run": _cmd_run, "bench": _cmd_bench, "fetch": _cmd_fetch, "models": _cmd_models, "serve": _cmd_serve}[args.command]
     try:
         return handler(args)
     except CLIError as e:
         print(f"graphspec: error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # bad parameter values found by the library (top_p, prompt length, ...)
-        print(f"graphspec: error: {_first_line(e)}", file=sys.stderr)
+    except BrokenPipeError:  # stdout closed early (`graphspec run ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ValueError, OSError) as e:  # bad values found by the library (top_p, prompt length, ...), unusable files
+        print(f"graphspec: error: {_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ngraphspec: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":

