@@ -1,0 +1,633 @@
+"""Suffix drafting (after SuffixDecoding, Oliaro et al. 2025) and a hybrid drafter that picks per step.
+
+- ``SuffixAutomaton``: an online suffix automaton over token ids. Chosen over a suffix tree because
+  it grows by one token in amortised O(1) (Blumer et al. 1985; no active-point bookkeeping as in
+  Ukkonen's tree), has at most 2n states and 3n transitions (flat int arrays here, no per-node
+  objects), and answers the one question a drafter asks, "the longest suffix of the committed tokens
+  that occurred before", by following one transition or suffix link per committed token. The
+  occurrences of a matched string are the non-clone states of its subtree in the suffix-link tree,
+  which is kept as linked child lists, so up to ``max_occurrences`` of them are enumerated in
+  O(that many) and continuation frequencies are counted from the text itself.
+- ``SuffixStore``: the global structure over the outputs of earlier requests (one automaton over
+  ``doc SEP doc SEP ...``; a query never holds SEP, so no match spans two documents). Memory is
+  bounded by ``max_tokens``: when a new document would pass it, the oldest documents are dropped
+  until the kept ones fill at most three quarters of it and the automaton is rebuilt from them
+  (FIFO eviction; each token is rebuilt a bounded number of times, so updates stay amortised O(1)).
+  A store can be shared by the pipelines of one target tokenizer (it remembers the tokenizer's
+  fingerprint and refuses another) and saved to / loaded from JSON (never pickle), validated on load.
+- ``SuffixDrafter`` (``draft="suffix"``): each step matches the committed tokens against the
+  request's own automaton (prompt + output, updated per committed token) and the store, reads the
+  continuations of up to ``max_occurrences`` occurrences of the longest match into a trie with
+  counts, and proposes the best-first tree of its most frequent paths: a node's score is the share of
+  occurrences that continue with its path (an estimate of its acceptance), nodes below ``min_prob``
+  are left out, and at most ``ceil(spec_factor * match length)`` tokens (and ``num_draft``) are
+  proposed. The source (this request or the store) whose tree scores higher is taken. No match: no
+  proposal (a plain decode step). Greedy runs verify the tree as is. Sampled runs need a q for
+  ``TreeAcceptance``'s recursive rejection sampling: each node's children are put in an order drawn
+  without replacement from q = their counts, normalised over the proposed children (one-hot for a
+  single child, as prompt lookup), and that q goes with them; since the *set* of children is fixed
+  by the draft side and the order is a draw from q, every sibling test is a valid speculative step,
+  so the output keeps the target's distribution.
+- ``HybridDrafter`` (``draft=[model, "suffix"]``): per step the suffix proposal when its score,
+  calibrated by how well suffix proposals were accepted so far in this run, reaches ``switch`` times
+  the tokens the model draft's steps yielded so far; otherwise the model draft (any model drafter,
+  with the target's tokenizer or another: the suffix structure is in the target's tokens). Both
+  decisions read only the draft side and committed tokens, so the output stays lossless.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from array import array
+from pathlib import Path
+
+import torch
+
+from graphspec.graph import Stage
+from graphspec.kernels.sampling import exponential_noise
+
+__all__ = ["SuffixAutomaton", "SuffixStore", "SuffixDrafter", "HybridDrafter", "SUFFIX_SPEC_FACTOR",
+           "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH"]
+
+SEP = -1     # document separator in a store's text (never a token id)
+_NONE = -2   # "no transition" in the first-transition slot
+
+# Defaults (see docs/suffix.md for the replay that chose them).
+SUFFIX_SPEC_FACTOR = 1.0       # tokens proposed per matched token (SuffixDecoding's alpha)
+SUFFIX_MIN_PROB = 0.1          # nodes whose path continues fewer occurrences than this share are left out
+SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations are counted
+SUFFIX_STORE_TOKENS = 1 << 20  # tokens a SuffixStore keeps before evicting its oldest documents
+HYBRID_SWITCH = 0.7            # suffix when its calibrated score >= this x the model draft's tokens per step
+
+
+class SuffixAutomaton:
+    """Online suffix automaton over int tokens, with the suffix-link tree for listing occurrences.
+
+    ``extend(token)`` appends one token (amortised O(1)); ``text`` holds everything appended. A state
+    stands for a set of substrings with the same end positions; ``occurrences(state, limit)`` lists up
+    to ``limit`` of those end positions (indices into ``text`` of the substring's last token).
+    """
+
+    def __init__(self):
+        self.text = array("i")
+        self.len = array("i", [0])
+        self.link = array("i", [-1])
+        self.pos = array("i", [-1])        # end position a non-clone state was created at; -1 for clones
+        self._tok = array("i", [_NONE])    # first transition: token ...
+        self._nxt = array("i", [-1])       # ... and target state
+        self._more: dict[int, dict[int, int]] = {}  # further transitions of states that have several
+        self._child = array("i", [-1])     # suffix-link tree as doubly linked child lists
+        self._sib = array("i", [-1])
+        self._prev = array("i", [-1])      # previous sibling, -1 for a first child
+        self.last = 0
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    @property
+    def num_states(self) -> int:
+        return len(self.len)
+
+    def nbytes(self) -> int:
+        """Bytes held by the arrays and the transition dicts (Python objects counted by their sizes)."""
+        import sys
+
+        total = sum(a.buffer_info()[1] * a.itemsize for a in (self.text, self.len, self.link, self.pos, self._tok,
+                                                              self._nxt, self._child, self._sib, self._prev))
+        total += sys.getsizeof(self._more)
+        for d in self._more.values():
+            total += sys.getsizeof(d) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in d.items())
+        return total
+
+    def next(self, s: int, c: int) -> int:
+        """The state reached from ``s`` by token ``c``, or -1."""
+        if self._tok[s] == c:
+            return self._nxt[s]
+        m = self._more.get(s)
+        return m.get(c, -1) if m else -1
+
+    def _set(self, s: int, c: int, t: int) -> None:
+        tok = self._tok[s]
+        if tok == c or tok == _NONE:
+            self._tok[s] = c
+            self._nxt[s] = t
+        else:
+            self._more.setdefault(s, {})[c] = t
+
+    def _new(self, length: int, pos: int) -> int:
+        for a, v in ((self.len, length), (self.link, -1), (self.pos, pos), (self._tok, _NONE), (self._nxt, -1),
+                     (self._child, -1), (self._sib, -1), (self._prev, -1)):
+            a.append(v)
+        return len(self.len) - 1
+
+    def _add_child(self, parent: int, s: int) -> None:
+        head = self._child[parent]
+        self._sib[s] = head
+        self._prev[s] = -1
+        if head >= 0:
+            self._prev[head] = s
+        self._child[parent] = s
+
+    def _replace_child(self, parent: int, old: int, new: int) -> None:
+        """Put ``new`` where ``old`` is in ``parent``'s child list (a clone takes its original's place)."""
+        nxt, prv = self._sib[old], self._prev[old]
+        self._sib[new], self._prev[new] = nxt, prv
+        if nxt >= 0:
+            self._prev[nxt] = new
+        if prv >= 0:
+            self._sib[prv] = new
+        else:
+            self._child[parent] = new
+
+    def extend(self, c: int) -> None:
+        i = len(self.text)
+        self.text.append(c)
+        cur = self._new(self.len[self.last] + 1, i)
+        p = self.last
+        while p != -1 and self.next(p, c) == -1:
+            self._set(p, c, cur)
+            p = self.link[p]
+        if p == -1:
+            link = 0
+        else:
+            q = self.next(p, c)
+            if self.len[p] + 1 == self.len[q]:
+                link = q
+            else:
+                clone = self._new(self.len[p] + 1, -1)
+                self._tok[clone], self._nxt[clone] = self._tok[q], self._nxt[q]
+                if q in self._more:
+                    self._more[clone] = dict(self._more[q])
+                parent = self.link[q]
+                self.link[clone] = parent
+                self._replace_child(parent, q, clone)
+                self.link[q] = clone
+                self._add_child(clone, q)
+                while p != -1 and self.next(p, c) == q:
+                    self._set(p, c, clone)
+                    p = self.link[p]
+                link = clone
+        self.link[cur] = link
+        self._add_child(link, cur)
+        self.last = cur
+
+    def extend_all(self, tokens) -> None:
+        for t in tokens:
+            self.extend(t)
+
+    def occurrences(self, s: int, limit: int) -> list[int]:
+        """Up to ``limit`` end positions of state ``s``'s substrings (most recent children first)."""
+        out: list[int] = []
+        stack = [s]
+        pos, child, sib = self.pos, self._child, self._sib
+        while stack and len(out) < limit:
+            v = stack.pop()
+            if pos[v] >= 0:
+                out.append(pos[v])
+            c = child[v]
+            kids = []
+            while c >= 0:
+                kids.append(c)
+                c = sib[c]
+            stack.extend(reversed(kids))
+        return out
+
+    def walk(self, state: int, length: int, c: int) -> tuple[int, int]:
+        """Matching statistics: from a match ``(state, length)`` of a query's suffix, the match after ``c``."""
+        while state > 0 and self.next(state, c) == -1:
+            state = self.link[state]
+            length = self.len[state]
+        t = self.next(state, c)
+        if t == -1:
+            return 0, 0
+        return t, length + 1
+
+
+def _check_int(name: str, v, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+class SuffixStore:
+    """The global suffix structure: an automaton over earlier requests' outputs, at most ``max_tokens`` of them.
+
+    ``add(tokens)`` stores one document (a request's output); when the store would hold more than
+    ``max_tokens``, the oldest documents are dropped until the rest (the new one included) fill at most
+    three quarters of it, and the automaton is rebuilt from them; a document longer than that keeps
+    its last tokens. One store may serve several pipelines whose targets share a tokenizer.
+    """
+
+    VERSION = 1
+
+    def __init__(self, max_tokens: int = SUFFIX_STORE_TOKENS, tokenizer_fingerprint: str | None = None):
+        self.max_tokens = _check_int("max_tokens", max_tokens, 1)
+        self.fingerprint = tokenizer_fingerprint
+        self.docs: list[list[int]] = []
+        self.automaton = SuffixAutomaton()
+        self.evictions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(d) for d in self.docs)
+
+    def bind(self, fingerprint: str | None) -> None:
+        """Tie the store to one tokenizer: ids mean nothing across tokenizers."""
+        if not fingerprint:
+            return
+        if self.fingerprint is None:
+            self.fingerprint = fingerprint
+        elif self.fingerprint != fingerprint:
+            raise ValueError("this SuffixStore holds token ids of another tokenizer (its fingerprint differs from "
+                             "the target's); give each target tokenizer its own SuffixStore")
+
+    def add(self, tokens) -> None:
+        doc = [int(t) for t in tokens]
+        if not doc:
+            return
+        if any(t < 0 for t in doc):
+            raise ValueError("a SuffixStore document holds a negative token id; token ids are >= 0")
+        if self.num_tokens + len(doc) + 1 <= self.max_tokens:
+            self.docs.append(doc)
+            self.automaton.extend_all(doc)
+            self.automaton.extend(SEP)
+            return
+        keep = (3 * self.max_tokens) // 4
+        doc = doc[-max(keep - 1, 1):]
+        kept: list[list[int]] = [doc]
+        total = len(doc) + 1
+        for d in reversed(self.docs):
+            if total + len(d) + 1 > keep:
+                break
+            kept.append(d)
+            total += len(d) + 1
+        self.evictions += len(self.docs) + 1 - len(kept)
+        self.docs = kept[::-1]
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.automaton = SuffixAutomaton()
+        for d in self.docs:
+            self.automaton.extend_all(d)
+            self.automaton.extend(SEP)
+
+    def save(self, path) -> None:
+        """Write the store as JSON (atomically: a temporary file, then a rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"format": "graphspec-suffix-store", "version": self.VERSION,
+                                   "max_tokens": self.max_tokens, "tokenizer_fingerprint": self.fingerprint,
+                                   "docs": self.docs}))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path, max_tokens: int | None = None) -> "SuffixStore":
+        """A store from ``save``'s JSON, checked field by field (a bad file says what is wrong)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the suffix store {path}: {e}; delete it to start an empty store") from None
+        if not isinstance(data, dict) or data.get("format") != "graphspec-suffix-store":
+            raise ValueError(f"{path} is not a graphspec suffix store (no format: graphspec-suffix-store)")
+        if data.get("version") != cls.VERSION:
+            raise ValueError(f"{path} is a suffix store of version {data.get('version')!r}; this graphspec reads "
+                             f"version {cls.VERSION}: delete it to start an empty store")
+        docs = data.get("docs")
+        if not isinstance(docs, list) or not all(
+                isinstance(d, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in d)
+                for d in docs):
+            raise ValueError(f"{path}: 'docs' must be a list of lists of token ids >= 0")
+        fp = data.get("tokenizer_fingerprint")
+        if fp is not None and not isinstance(fp, str):
+            raise ValueError(f"{path}: 'tokenizer_fingerprint' must be a string or null")
+        store = cls(max_tokens if max_tokens is not None else _check_int("max_tokens", data.get("max_tokens"), 1), fp)
+        for d in docs:
+            store.add(d)
+        return store
+
+
+class _Node:
+    __slots__ = ("token", "count", "recent", "kids")
+
+    def __init__(self, token: int):
+        self.token = token
+        self.count = 0
+        self.recent = -1
+        self.kids: dict[int, _Node] = {}
+
+
+def continuation_tree(text, ends: list[int], stop: int, budget: int, min_prob: float
+                      ) -> tuple[list[int], list[int], list[float], list[int]]:
+    """The best-first tree of the continuations of the occurrences ending at ``ends`` in ``text``.
+
+    Each occurrence continues with ``text[e + 1 : ...]`` up to ``budget`` tokens, ending at a SEP or
+    at ``stop`` (exclusive). Node score: the share of the occurrences with a continuation whose
+    continuation starts with the node's path. Returns ``(tokens, parents, scores, counts)`` of up to
+    ``budget`` nodes with scores >= ``min_prob``, best first (a parent always before its children;
+    parents index the returned nodes, -1 the root); ties go to the shallower node, then to the most
+    recent occurrence.
+    """
+    root = _Node(-1)
+    n = 0
+    for e in ends:
+        a = e + 1
+        b = min(stop, a + budget)
+        if a >= b or text[a] == SEP:
+            continue
+        n += 1
+        node = root
+        for i in range(a, b):
+            t = text[i]
+            if t == SEP:
+                break
+            nxt = node.kids.get(t)
+            if nxt is None:
+                nxt = node.kids[t] = _Node(t)
+            nxt.count += 1
+            if e > nxt.recent:
+                nxt.recent = e
+            node = nxt
+    if n == 0:
+        return [], [], [], []
+    cand: list[tuple[float, int, int, int, _Node, int]] = []  # (-score, depth, -recent, seq, node, parent idx)
+    import heapq
+
+    seq = 0
+    for kid in root.kids.values():
+        cand.append((-kid.count / n, 1, -kid.recent, seq, kid, -1))
+        seq += 1
+    heapq.heapify(cand)
+    toks: list[int] = []
+    parents: list[int] = []
+    scores: list[float] = []
+    counts: list[int] = []
+    while cand and len(toks) < budget:
+        neg, depth, _, _, node, parent = heapq.heappop(cand)
+        if -neg < min_prob:
+            break
+        idx = len(toks)
+        toks.append(node.token)
+        parents.append(parent)
+        scores.append(-neg)
+        counts.append(node.count)
+        for kid in node.kids.values():
+            heapq.heappush(cand, (-kid.count / n, depth + 1, -kid.recent, seq, kid, idx))
+            seq += 1
+    return toks, parents, scores, counts
+
+
+def _check_prob(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+    return float(v)
+
+
+class SuffixDrafter(Stage):
+    """Propose a tree of frequent continuations of the longest earlier match (this request, then the store)."""
+
+    reads = ("tokens", "num_draft", "params", "generator")
+    writes = ("draft_ids", "draft_probs", "draft_parents")
+
+    def __init__(self, store: SuffixStore | None = None, *, spec_factor: float = SUFFIX_SPEC_FACTOR,
+                 min_prob: float = SUFFIX_MIN_PROB, max_occurrences: int = SUFFIX_MAX_OCCURRENCES,
+                 min_match: int = 1, learn: bool = True, save_path=None, name: str = "draft"):
+        super().__init__(name)
+        if isinstance(spec_factor, bool) or not isinstance(spec_factor, (int, float)) or not spec_factor > 0:
+            raise ValueError(f"spec_factor must be a number > 0 (tokens proposed per matched token), got "
+                             f"{spec_factor!r}")
+        if store is not None and not isinstance(store, SuffixStore):
+            raise ValueError(f"store must be a graphspec.suffix.SuffixStore or None, got {type(store).__name__}")
+        self.spec_factor = float(spec_factor)
+        self.min_prob = _check_prob("min_prob", min_prob)
+        self.max_occurrences = _check_int("max_occurrences", max_occurrences, 1)
+        self.min_match = _check_int("min_match", min_match, 1)
+        self.learn = bool(learn)
+        self.save_path = None if save_path is None else Path(save_path)
+        if store is None and self.save_path is not None and self.save_path.exists():
+            store = SuffixStore.load(self.save_path)
+        self.store = store if store is not None else SuffixStore()
+
+    def begin(self, state) -> None:
+        tok = getattr(state.run.target, "tokenizer", None)
+        self.store.bind(getattr(tok, "fingerprint", None))
+        sam = SuffixAutomaton()
+        sam.extend_all(state.tokens)
+        m = (0, 0)
+        g = self.store.automaton
+        for t in state.tokens:
+            m = g.walk(*m, t)
+        state.scratch(self).update(local=sam, match=m, automaton=g, proposed_from=None)
+        state.run.extra.setdefault("suffix", {"steps": 0, "proposals": 0, "local": 0, "global": 0,
+                                              "match_tokens": 0})
+
+    def end(self, state) -> None:
+        """After a generation: its output goes into the store (and the store to its file, if one is set)."""
+        if not self.learn:
+            return
+        out = state.tokens[state.run.prompt_len:]
+        if out:
+            self.store.add(out)
+            if self.save_path is not None:
+                self.store.save(self.save_path)
+
+    def _sync(self, state) -> dict:
+        sc = state.scratch(self)
+        sam: SuffixAutomaton = sc["local"]
+        tokens = state.tokens
+        g = sc["automaton"]
+        if g is not self.store.automaton:  # the store was rebuilt under a running generation: rematch
+            g = sc["automaton"] = self.store.automaton
+            m = (0, 0)
+            for t in tokens[:len(sam)]:
+                m = g.walk(*m, t)
+            sc["match"] = m
+        m = sc["match"]
+        for t in tokens[len(sam):]:
+            sam.extend(t)
+            m = g.walk(*m, t)
+        sc["match"] = m
+        return sc
+
+    def propose(self, state, k: int) -> tuple[list[int], list[int], list[float], list[int], int]:
+        """The tree for this step: ``(tokens, parents, scores, counts, match length)``, parents -1 for the root."""
+        sc = self._sync(state)
+        sam: SuffixAutomaton = sc["local"]
+        best = ([], [], [], [], 0)
+        best_score = 0.0
+        if k <= 0:
+            return best
+        s = sam.link[sam.last]
+        if s > 0 and sam.len[s] >= self.min_match:
+            length = sam.len[s]
+            budget = min(k, math.ceil(self.spec_factor * length))
+            ends = sam.occurrences(s, self.max_occurrences + 1)
+            tree = continuation_tree(sam.text, ends, len(sam.text), budget, self.min_prob)
+            if tree[0]:
+                best, best_score = (*tree, length), sum(tree[2])
+        g: SuffixAutomaton = sc["automaton"]
+        gs, glen = sc["match"]
+        if gs > 0 and glen >= self.min_match:
+            budget = min(k, math.ceil(self.spec_factor * glen))
+            ends = g.occurrences(gs, self.max_occurrences)
+            tree = continuation_tree(g.text, ends, len(g.text), budget, self.min_prob)
+            if tree[0] and sum(tree[2]) > best_score:
+                best = (*tree, glen)
+                sc["proposed_from"] = "global"
+                return best
+        sc["proposed_from"] = "local" if best[0] else None
+        return best
+
+    def run(self, state) -> None:
+        k = state.num_draft
+        toks, parents, scores, counts, length = self.propose(state, k)
+        extra = state.run.extra["suffix"]
+        extra["steps"] += 1
+        if toks:
+            extra["proposals"] += 1
+            extra[state.scratch(self)["proposed_from"]] += 1
+            extra["match_tokens"] += length
+        write_tree(state, toks, parents, counts)
+
+
+def write_tree(state, toks: list[int], parents: list[int], counts: list[int]) -> None:
+    """Set ``draft_ids`` / ``draft_parents`` / ``draft_probs`` for a tree of deterministic proposals.
+
+    ``parents`` index ``toks`` (-1: the root); rows are laid out depth first. Greedy: children in
+    best-first order, no q. Sampling: each node's children in an order drawn without replacement from
+    q = their counts normalised over those children (an exponential race), and each child's row
+    carries its parent's q: what ``TreeAcceptance``'s recursive rejection sampling needs to stay exact.
+    """
+    device = state.run.device
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    greedy = state.params.greedy
+    rows: list[int] = []
+    row_parent: list[int] = []
+    row_q: list[list[tuple[int, float]]] = []
+
+    def visit(node: int, row: int) -> None:
+        children = kids.get(node, [])
+        if not children:
+            return
+        if greedy:
+            order = children
+            q = []
+        else:
+            w = torch.tensor([float(counts[c]) for c in children], dtype=torch.float64)
+            w = w / w.sum()
+            race = exponential_noise((1, len(children)), state.generator, device)[0].cpu().double() / w
+            order = [children[i] for i in torch.argsort(race).tolist()]
+            q = [(toks[c], float(w[i])) for i, c in enumerate(children)]
+        for c in order:
+            rows.append(toks[c])
+            row_parent.append(row)
+            row_q.append(q)
+            visit(c, len(rows))
+
+    visit(-1, 0)
+    state.draft_ids = torch.tensor([rows], dtype=torch.int64, device=device).view(1, len(rows))
+    state.draft_parents = tuple(row_parent)
+    if greedy or not rows:
+        state.draft_probs = None
+        return
+    probs = torch.zeros(1, len(rows), state.run.vocab_size, dtype=torch.float32)
+    for j, q in enumerate(row_q):
+        for t, w in q:
+            probs[0, j, t] = w
+    state.draft_probs = probs.to(device)
+
+
+class HybridDrafter(Stage):
+    """Per step, the suffix tree when it should be accepted well, else a model draft (lossless either way).
+
+    ``model``: the model draft's stages in order (a ``ModelDrafter``, or a ``CrossVocabDrafter`` and
+    its ``VocabMap``); ``model_k``: at most this many model draft tokens a step (None: ``num_draft``).
+    Rule: with ``s`` the suffix tree's score (its nodes' scores summed: the tokens it expects accepted),
+    ``c`` the run's accepted suffix tokens over the scores of the suffix trees proposed so far (1 before
+    any), and ``m`` the mean tokens accepted per model-drafted step so far (``prior_model`` before any),
+    the suffix tree is proposed when ``c * s >= switch * m``.
+    """
+
+    reads = ("tokens", "num_draft", "params", "generator")
+    writes = ("draft_ids", "draft_probs", "draft_parents")
+
+    def __init__(self, model, suffix: SuffixDrafter | None = None, *, switch: float = HYBRID_SWITCH,
+                 model_k: int | None = None, prior_model: float = 1.0, name: str = "draft"):
+        super().__init__(name)
+        stages = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not stages or not all(isinstance(s, Stage) for s in stages):
+            raise ValueError("HybridDrafter needs the model draft's stages (a ModelDrafter, or a CrossVocabDrafter "
+                             "and its VocabMap)")
+        self.model_stages = stages
+        self.suffix = suffix if suffix is not None else SuffixDrafter()
+        if isinstance(switch, bool) or not isinstance(switch, (int, float)) or not switch >= 0:
+            raise ValueError(f"switch must be a number >= 0, got {switch!r}")
+        self.switch = float(switch)
+        self.model_k = None if model_k is None else _check_int("model_k", model_k, 1)
+        self.prior_model = float(prior_model)
+        produced = set(self.reads)
+        for s in stages:  # the model stages read step inputs and each other's outputs only
+            produced.update(s.writes)
+        self.reads = tuple(dict.fromkeys(self.reads + tuple(
+            f for s in stages for f in s.reads if f not in {w for t in stages for w in t.writes})))
+        self._model_tree = any("draft_parents" in s.writes for s in stages)
+
+    @property
+    def store(self) -> SuffixStore:
+        return self.suffix.store
+
+    def check(self, params) -> None:
+        for s in self.model_stages:
+            s.check(params)
+
+    def begin(self, state) -> None:
+        self.suffix.begin(state)
+        for s in self.model_stages:
+            s.begin(state)
+        state.scratch(self).update(last=None, suffix_score=0.0, suffix_accepted=0, model_steps=0,
+                                   model_accepted=0)
+        state.run.extra["hybrid"] = {"suffix_steps": 0, "model_steps": 0}
+
+    def end(self, state) -> None:
+        self.suffix.end(state)
+
+    def run(self, state) -> None:
+        sc = state.scratch(self)
+        n = len(state.tokens)
+        last = sc["last"]
+        if last is not None:  # what the previous step's proposal earned: the tokens it committed, minus one
+            kind, n0, score = last
+            got = n - n0 - 1
+            if kind == "suffix":
+                sc["suffix_score"] += score
+                sc["suffix_accepted"] += got
+            else:
+                sc["model_steps"] += 1
+                sc["model_accepted"] += got + 1
+            sc["last"] = None
+        k = state.num_draft
+        toks, parents, scores, counts, _ = self.suffix.propose(state, k)
+        s = sum(scores)
+        calib = sc["suffix_accepted"] / sc["suffix_score"] if sc["suffix_score"] > 0 else 1.0
+        model_rate = sc["model_accepted"] / sc["model_steps"] if sc["model_steps"] else self.prior_model
+        extra = state.run.extra["hybrid"]
+        if toks and calib * s >= self.switch * model_rate:
+            write_tree(state, toks, parents, counts)
+            sc["last"] = ("suffix", n, s)
+            extra["suffix_steps"] += 1
+            return
+        if self.model_k is not None and k > self.model_k:
+            state.num_draft = self.model_k
+        for st in self.model_stages:
+            st.run(state)
+        state.num_draft = k
+        if not self._model_tree:
+            state.draft_parents = tuple(range(state.draft_ids.shape[1]))
+        if k > 0:
+            sc["last"] = ("model", n, 0.0)
+            extra["model_steps"] += 1

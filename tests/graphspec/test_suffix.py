@@ -1,0 +1,347 @@
+"""Suffix drafting and the hybrid drafter (graphspec.suffix).
+
+- The automaton against brute force on random strings (hypothesis): the longest earlier match of
+  every prefix, the occurrences of a state, matching statistics of a query against a store's text;
+  the continuation tree's counts and best-first order against counting by hand.
+- Greedy: the output equals the target alone (toy models, tiny random checkpoints, across
+  tokenizers for the hybrid), on repetitive and non-repetitive prompts.
+- Sampling: a tree of deterministic proposals keeps the target's distribution (chi-square on the
+  first three tokens, 2000 seeded runs), and dropping the drawn sibling order is detected.
+- The store: learning across requests, the memory bound and its FIFO eviction, JSON persistence
+  (validated on load), one tokenizer per store.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphspec
+from graphspec import SamplingParams
+from graphspec.suffix import SEP, HybridDrafter, SuffixAutomaton, SuffixDrafter, SuffixStore, continuation_tree
+from tests.checkpoints import make_checkpoint
+from tests.graphspec.oracle import marginal_pvalues
+from tests.graphspec.test_lossless import _draft, _target
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+N_RUNS = 2000
+
+# ----------------------------------------------------------------------------- the structure
+
+
+def _occurs_before(t: list[int], L: int) -> bool:
+    suf = t[len(t) - L:]
+    return any(t[e - L + 1:e + 1] == suf for e in range(L - 1, len(t) - 1))
+
+
+tokens = st.lists(st.integers(0, 3), min_size=1, max_size=70)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens)
+def test_longest_earlier_match_and_occurrences_equal_brute_force(t):
+    sam = SuffixAutomaton()
+    for i, c in enumerate(t):
+        sam.extend(c)
+        seen = t[:i + 1]
+        want = max((L for L in range(1, len(seen)) if _occurs_before(seen, L)), default=0)
+        s = sam.link[sam.last]
+        assert (sam.len[s] if s > 0 else 0) == want
+        if want:
+            suf = seen[len(seen) - want:]
+            ends = [e for e in range(want - 1, len(seen)) if seen[e - want + 1:e + 1] == suf]
+            assert sorted(sam.occurrences(s, 10 ** 6)) == ends
+            assert len(sam.occurrences(s, 2)) == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=4),
+       st.lists(st.integers(0, 3), min_size=1, max_size=30))
+def test_matching_statistics_against_a_store_equal_brute_force(docs, query):
+    store = SuffixStore()
+    for d in docs:
+        store.add(d)
+    text = list(store.automaton.text)
+    assert text.count(SEP) == len(docs)
+    m = (0, 0)
+    for i, c in enumerate(query):
+        m = store.automaton.walk(*m, c)
+        q = query[:i + 1]
+        # the longest suffix of the query that is a substring of some document (never spanning SEP)
+        want = max((L for L in range(1, len(q) + 1) if any(
+            d[j:j + L] == q[len(q) - L:] for d in docs for j in range(len(d) - L + 1))), default=0)
+        assert m[1] == want
+        if want:
+            ends = sorted(store.automaton.occurrences(m[0], 10 ** 6))
+            suf = q[len(q) - want:]
+            assert ends == [e for e in range(want - 1, len(text)) if text[e - want + 1:e + 1] == suf]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=2, max_size=60), st.integers(1, 8), st.sampled_from([0.0, 0.1, 0.3]),
+       st.data())
+def test_continuation_tree_counts_and_order_equal_brute_force(text, budget, min_prob, data):
+    ends = sorted(set(data.draw(st.lists(st.integers(0, len(text) - 1), min_size=1, max_size=12))))
+    toks, parents, scores, counts = continuation_tree(text, ends, len(text), budget, min_prob)
+    conts = [text[e + 1:e + 1 + budget] for e in ends if e + 1 < len(text)]
+    assert len(toks) <= budget
+    paths = []
+    for i, (t, p) in enumerate(zip(toks, parents)):
+        assert -1 <= p < i
+        path = (paths[p] if p >= 0 else []) + [t]
+        paths.append(path)
+        want = sum(1 for c in conts if c[:len(path)] == path)
+        assert counts[i] == want and scores[i] == pytest.approx(want / len(conts))
+        assert scores[i] >= min_prob
+    assert len(set(map(tuple, paths))) == len(paths)  # no two nodes spell the same path
+    assert scores == sorted(scores, reverse=True)
+    # best first: no path left out scores above the worst one proposed (while there was room)
+    if len(toks) < budget:
+        frontier = {tuple(c[:len(p) + 1]) for c in conts for p in [[]] + paths if c[:len(p)] == p and len(c) > len(p)}
+        left = [sum(1 for c in conts if tuple(c[:len(f)]) == f) / len(conts) for f in frontier
+                if list(f) not in paths]
+        assert all(s < min_prob for s in left), (left, min_prob)
+
+
+# ----------------------------------------------------------------------------- greedy, token-exact
+
+REPETITIVE = [1, 2, 3, 1, 2, 3, 1, 2]
+FRESH = [[5, 9, 2], [7], [3, 3, 3, 3, 11, 4], [14, 0, 6, 13, 8, 10]]
+
+
+def _check_greedy(pipe, prompts, n: int = 40):
+    ar = graphspec.Pipeline(pipe.target)
+    stats = []
+    for p in prompts:
+        want = ar.run(p, max_new_tokens=n, ignore_eos=True).token_ids
+        got = pipe.run(p, max_new_tokens=n, ignore_eos=True)
+        assert got.token_ids == want, p
+        stats.append(got.stats)
+    return stats
+
+
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_greedy_suffix_equals_the_target_alone_on_toy_models(k):
+    pipe = graphspec.Pipeline(_target(), draft="suffix", num_speculative_tokens=k)
+    assert pipe.graph.names == ["draft", "verify", "accept"]
+    assert type(pipe.graph["verify"]).__name__ == "TreeVerify"
+    stats = _check_greedy(pipe, [REPETITIVE] + FRESH)
+    assert stats[0].accepted > 0  # the repetitive prompt's cycle is proposed and taken
+    assert sum(s.accepted for s in stats) / sum(s.steps for s in stats) > (0.5 if k > 1 else 0.3)
+
+
+def test_greedy_hybrid_equals_the_target_alone_on_toy_models():
+    pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=6)
+    stats = _check_greedy(pipe, [REPETITIVE] + FRESH + [REPETITIVE])
+    assert sum(s.draft_forwards for s in stats) > len(stats)  # the model drafted some steps
+    assert sum(s.accepted for s in stats) > 0
+    assert pipe.graph["draft"].store.num_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suffix")
+    target = make_checkpoint(root / "t", "qwen2", tokenizer=None, vocab_size=96, hidden_size=64, layers=2, heads=4,
+                             kv_heads=2, seed=3)
+    draft = make_checkpoint(root / "d", "llama", tokenizer=None, vocab_size=96, hidden_size=32, layers=1, heads=2,
+                            kv_heads=1, seed=4)
+    return graphspec.load_model(target, dtype=torch.bfloat16), graphspec.load_model(draft, dtype=torch.bfloat16)
+
+
+def _prompts(vocab: int = 96):
+    g = torch.Generator().manual_seed(5)
+    fresh = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    block = torch.randint(0, vocab, (12,), generator=g).tolist()
+    return fresh + [block * 3, block + [1, 2] + block[:6]]
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid", "hybrid-siblings"])
+def test_greedy_on_transformers_equals_autoregressive(tiny, kind):
+    target, draft = tiny
+    kw = {"draft_siblings": 2, "draft_confidence_threshold": 0.6} if kind == "hybrid-siblings" else {}
+    pipe = graphspec.Pipeline(target, draft="suffix" if kind == "suffix" else [draft, "suffix"],
+                              num_speculative_tokens=8, **kw)
+    stats = _check_greedy(pipe, _prompts(), n=48)
+    assert sum(s.accepted for s in stats) > 0
+
+
+@pytest.fixture(scope="module")
+def cross(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suffix-x")
+    target = make_checkpoint(root / "t", "llama", tokenizer="bytelevel", seed=1)
+    draft = make_checkpoint(root / "d", "llama", tokenizer="metaspace", seed=2, vocab_size=416)
+    return graphspec.load_model(target), graphspec.load_model(draft)
+
+
+@pytest.mark.parametrize("mode", ["slem", "tli"])
+def test_greedy_hybrid_across_tokenizers_equals_autoregressive(cross, mode, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHSPEC_CACHE", str(tmp_path / "gs-cache"))
+    target, draft = cross
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny vocabularies: a small intersection is expected
+        pipe = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=6, vocab_mapping=mode)
+        hybrid = pipe.graph["draft"]
+        assert isinstance(hybrid, HybridDrafter) and [type(s).__name__ for s in hybrid.model_stages] == [
+            "CrossVocabDrafter", "VocabMap"]
+        prompts = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "abc abc abc abc", "x = 1\ny = 2\nx = 1\n"]
+        ar = graphspec.Pipeline(target)
+        for p in prompts + prompts:
+            want = ar.run(p, max_new_tokens=40, ignore_eos=True)
+            got = pipe.run(p, max_new_tokens=40, ignore_eos=True)
+            assert got.token_ids == want.token_ids and got.text == want.text, p
+    assert hybrid.store.num_tokens > 0
+    assert hybrid.store.fingerprint == target.tokenizer.fingerprint
+
+
+# ----------------------------------------------------------------------------- sampling, in distribution
+
+# the longest earlier match, "9 1 2", continues with 3 7, 4 6 and 5 8: three children of the root, q = 1/3 each
+BRANCHY = [9, 1, 2, 3, 7, 9, 1, 2, 4, 6, 9, 1, 2, 5, 8, 9, 1, 2]
+# here with 3 7, 4 6 and 3 8: the tree is 3 (2/3) -> 8 (1/3), and 4 (1/3)
+LOPSIDED = [9, 1, 2, 3, 7, 9, 1, 2, 4, 6, 9, 1, 2, 3, 8, 9, 1, 2]
+
+
+@pytest.mark.parametrize("params, k", [(SamplingParams(temperature=1.0), 4),
+                                       (SamplingParams(temperature=0.7, top_k=5), 6),
+                                       (SamplingParams(temperature=1.3, top_p=0.8), 3)],
+                         ids=["T1-K4", "T0.7-top5-K6", "T1.3-topp0.8-K3"])
+def test_suffix_tree_sampling_matches_the_target_distribution(params, k):
+    pipe = graphspec.Pipeline(_target(), draft=SuffixDrafter(learn=False, min_prob=0.05),
+                              num_speculative_tokens=k)
+    pvalues, rate = marginal_pvalues(pipe, BRANCHY, params, N_RUNS)
+    assert min(pvalues) > 1e-3, pvalues
+    assert 0 < rate < 0.99
+    out = [pipe.run(BRANCHY, max_new_tokens=20, temperature=params.temperature, top_k=params.top_k,
+                    top_p=params.top_p, seed=s, ignore_eos=True).stats.tree for s in range(40)]
+    assert sum(t["siblings_proposed"] for t in out) > 0
+    assert sum(t["siblings_accepted"] for t in out) > 0, out  # a sibling was taken: the recursive branch ran
+
+
+def test_hybrid_sampling_matches_the_target_distribution():
+    pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=4)
+    pipe.graph["draft"].suffix.learn = False
+    pipe.graph["draft"].suffix.min_prob = 0.05
+    pvalues, rate = marginal_pvalues(pipe, BRANCHY, SamplingParams(temperature=1.0), N_RUNS)
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_a_sibling_order_that_is_no_draw_from_q_is_detected(monkeypatch):
+    import graphspec.suffix as suffix
+
+    # every race variable equal: children in count order, the heaviest first, whatever q says
+    monkeypatch.setattr(suffix, "exponential_noise", lambda shape, gen, device: torch.ones(shape))
+    pipe = graphspec.Pipeline(_target(), draft=SuffixDrafter(learn=False, min_prob=0.0), num_speculative_tokens=4)
+    # LOPSIDED's root: q = (2/3, 1/3) for 3 and 4, but 3 is offered first every time
+    pvalues, _ = marginal_pvalues(pipe, LOPSIDED, SamplingParams(temperature=1.0), N_RUNS)
+    assert min(pvalues) < 1e-6, pvalues
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+def test_the_store_learns_across_requests():
+    target = _target()
+    prompt = [7]
+    learning = graphspec.Pipeline(target, draft="suffix", num_speculative_tokens=8)
+    forgetful = graphspec.Pipeline(target, draft=SuffixDrafter(learn=False), num_speculative_tokens=8)
+    first = learning.run(prompt, max_new_tokens=40, ignore_eos=True)
+    assert learning.graph["draft"].store.docs == [first.token_ids]
+    again = learning.run(prompt, max_new_tokens=40, ignore_eos=True)
+    alone = forgetful.run(prompt, max_new_tokens=40, ignore_eos=True)
+    assert again.token_ids == first.token_ids == alone.token_ids
+    assert again.stats.steps < alone.stats.steps  # the earlier output was proposed from the store
+    assert again.stats.mean_accepted_length > 3
+
+
+def test_a_store_is_shared_by_pipelines_of_one_tokenizer_and_refuses_another(cross, tmp_path, monkeypatch):
+    target, draft = cross
+    store = SuffixStore()
+    a = graphspec.Pipeline(target, draft=SuffixDrafter(store), num_speculative_tokens=6)
+    b = graphspec.Pipeline(target, draft=SuffixDrafter(store), num_speculative_tokens=6)
+    out = a.run("x = 1\n", max_new_tokens=20, ignore_eos=True)
+    assert store.docs == [out.token_ids]
+    b.run("y = 2\n", max_new_tokens=20, ignore_eos=True)
+    assert len(store.docs) == 2
+    other = graphspec.Pipeline(draft, draft=SuffixDrafter(store), num_speculative_tokens=6)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        other.run("x = 1\n", max_new_tokens=4)
+
+
+def test_memory_bound_and_fifo_eviction():
+    store = SuffixStore(max_tokens=100)
+    docs = [[i] * 10 + list(range(20, 30)) for i in range(12)]  # 20 tokens + SEP each
+    for d in docs:
+        store.add(d)
+        assert store.num_tokens + len(store.docs) <= 100
+    # the newest documents are kept, the oldest dropped first
+    assert store.docs == docs[-len(store.docs):] and len(store.docs) < len(docs)
+    assert store.evictions == len(docs) - len(store.docs)
+    # the automaton is the one of the kept documents
+    rebuilt = SuffixAutomaton()
+    for d in store.docs:
+        rebuilt.extend_all(d)
+        rebuilt.extend(SEP)
+    assert list(store.automaton.text) == list(rebuilt.text)
+    assert store.automaton.num_states == rebuilt.num_states
+    m = (0, 0)
+    for t in docs[0][:10]:  # an evicted document's run no longer matches
+        m = store.automaton.walk(*m, t)
+    assert m[1] <= 1
+    long = list(range(200, 400))
+    store.add(long)
+    assert store.docs == [long[-74:]]  # longer than the bound: its last tokens
+
+
+def test_persistence_round_trip_and_validation(tmp_path):
+    path = tmp_path / "suffix" / "store.json"
+    store = SuffixStore(max_tokens=1000, tokenizer_fingerprint="abc")
+    store.add([1, 2, 3])
+    store.add([4, 5])
+    store.save(path)
+    back = SuffixStore.load(path)
+    assert back.docs == store.docs and back.fingerprint == "abc" and back.max_tokens == 1000
+    assert list(back.automaton.text) == list(store.automaton.text)
+    data = json.loads(path.read_text())
+    for bad, match in [({**data, "docs": [[1, -3]]}, "token ids >= 0"), ({**data, "format": "x"}, "not a graphspec"),
+                       ({**data, "version": 99}, "version 99"), ({**data, "docs": [[1.5]]}, "token ids"),
+                       ({**data, "max_tokens": 0}, "max_tokens")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            SuffixStore.load(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        SuffixStore.load(path)
+
+
+def test_a_drafter_with_a_file_saves_after_each_request_and_loads_it(tmp_path):
+    path = tmp_path / "store.json"
+    target = _target()
+    a = graphspec.Pipeline(target, draft=SuffixDrafter(save_path=path), num_speculative_tokens=4)
+    out = a.run([7], max_new_tokens=12, ignore_eos=True)
+    assert json.loads(path.read_text())["docs"] == [out.token_ids]
+    b = SuffixDrafter(save_path=path)
+    assert b.store.docs == [out.token_ids]
+
+
+def test_no_match_proposes_nothing_and_errors_say_what_to_fix():
+    pipe = graphspec.Pipeline(_target(), draft=SuffixDrafter(learn=False), num_speculative_tokens=4)
+    out = pipe.run([0, 1, 2, 3, 4, 5], max_new_tokens=1, ignore_eos=True)
+    assert out.stats.proposed == 0  # all tokens distinct: nothing occurred before
+    with pytest.raises(ValueError, match="spec_factor"):
+        SuffixDrafter(spec_factor=0)
+    with pytest.raises(ValueError, match="min_prob"):
+        SuffixDrafter(min_prob=2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SuffixStore(max_tokens=0)
+    with pytest.raises(ValueError, match="hybrid draft"):
+        graphspec.Pipeline(_target(), draft=["ngram", "suffix"])
+    with pytest.raises(ValueError, match="hybrid draft"):
+        graphspec.Pipeline(_target(), draft=[_draft(), "ngram"])
+    with pytest.raises(ValueError, match="negative"):
+        SuffixStore().add([1, -1])
