@@ -104,7 +104,9 @@ def _confidence(text: str):
 def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False) -> None:
     p.add_argument("--target", required=True, help="checkpoint directory or zoo name (see `graphspec models`)")
     p.add_argument("--draft", required=draft_required, default=None,
-                   help="draft checkpoint directory, zoo name, or 'ngram' (prompt lookup); omit for plain decoding")
+                   help="draft checkpoint directory, zoo name, 'ngram' (prompt lookup), 'suffix' (suffix trees over "
+                        "this and earlier requests) or MODEL+suffix (per step the suffix tree or the model "
+                        "draft); omit for plain decoding")
     p.add_argument("-k", "--num-speculative-tokens", type=_positive_int, default=5, dest="k",
                    help="draft tokens proposed per step (default 5)")
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
@@ -334,19 +336,25 @@ def _pipelines(args):
     target = _load(args.target, "target", dtype, device)
     draft = None
     if args.draft is not None:
-        if args.draft == "ngram":
-            draft = "ngram"
+        if args.draft in ("ngram", "suffix"):
+            draft = args.draft
         else:
+            # MODEL+suffix: the hybrid drafter (graphspec.suffix.HybridDrafter) over that model draft
+            name = args.draft[:-len("+suffix")] if args.draft.endswith("+suffix") else args.draft
+            if not name:
+                raise CLIError("--draft +suffix names no model: give MODEL+suffix (a zoo name or checkpoint directory)")
             quantize = draft_quantize(args.draft_quantize, device)
-            print(f"loading draft {args.draft}{f' ({quantize} weights)' if quantize else ''} ...", file=sys.stderr,
+            print(f"loading draft {name}{f' ({quantize} weights)' if quantize else ''} ...", file=sys.stderr,
                   flush=True)
-            draft = _load(args.draft, "draft", dtype, device, quantize)
+            draft = _load(name, "draft", dtype, device, quantize)
+            if name != args.draft:
+                draft = [draft, "suffix"]
     return target, draft, graphspec
 
 
 def _draft_kw(args) -> dict:
     kw = {"draft_confidence_threshold": args.draft_confidence} if hasattr(args, "draft_confidence") else {}
-    model_draft = args.draft is not None and args.draft != "ngram"
+    model_draft = args.draft is not None and args.draft not in ("ngram", "suffix")
     if isinstance(args.draft_vocab, int):
         if not model_draft:
             raise CLIError("--draft-vocab prunes a model draft's vocabulary; give --draft a model")

@@ -563,19 +563,25 @@ class HybridDrafter(Stage):
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise ValueError("HybridDrafter needs the model draft's stages (a ModelDrafter, or a CrossVocabDrafter "
                              "and its VocabMap)")
-        self.model_stages = stages
+        if len(stages) > 2:
+            raise ValueError(f"HybridDrafter takes a model drafter and at most one map stage, got {len(stages)} stages")
+        # two attributes, not a list: code that rebinds a pipeline's models finds stages held as attributes
+        self.model_drafter = stages[0]
+        self.model_map = stages[1] if len(stages) > 1 else None
         self.suffix = suffix if suffix is not None else SuffixDrafter()
         if isinstance(switch, bool) or not isinstance(switch, (int, float)) or not switch >= 0:
             raise ValueError(f"switch must be a number >= 0, got {switch!r}")
         self.switch = float(switch)
         self.model_k = None if model_k is None else _check_int("model_k", model_k, 1)
         self.prior_model = float(prior_model)
-        produced = set(self.reads)
-        for s in stages:  # the model stages read step inputs and each other's outputs only
-            produced.update(s.writes)
+        # the model stages read step inputs and each other's outputs only
         self.reads = tuple(dict.fromkeys(self.reads + tuple(
             f for s in stages for f in s.reads if f not in {w for t in stages for w in t.writes})))
         self._model_tree = any("draft_parents" in s.writes for s in stages)
+
+    @property
+    def model_stages(self) -> list[Stage]:
+        return [self.model_drafter] + ([self.model_map] if self.model_map is not None else [])
 
     @property
     def store(self) -> SuffixStore:

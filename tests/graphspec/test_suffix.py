@@ -345,3 +345,20 @@ def test_no_match_proposes_nothing_and_errors_say_what_to_fix():
         graphspec.Pipeline(_target(), draft=[_draft(), "ngram"])
     with pytest.raises(ValueError, match="negative"):
         SuffixStore().add([1, -1])
+
+
+def test_cli_runs_suffix_and_hybrid_drafts(tmp_path):
+    from tests.graphspec.test_cli import _assert_one_line_error, _cli
+
+    tiny = make_checkpoint(tmp_path / "tiny", "llama", tokenizer="bytelevel")
+    prompt = "x = 1\ny = 2\nx = 1\n"
+    expected = graphspec.Pipeline(graphspec.load_model(tiny, dtype="float32")).run(
+        prompt, max_new_tokens=16, ignore_eos=True)
+    for draft in ("suffix", f"{tiny}+suffix"):
+        p = _cli("run", "--target", str(tiny), "--draft", draft, "--dtype", "fp32", "--max-new-tokens", "16",
+                 "--ignore-eos", "-k", "8", prompt)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.rstrip("\n") == expected.text, draft
+    _assert_one_line_error(_cli("run", "--target", str(tiny), "--draft", "+suffix", prompt), "MODEL+suffix")
+    _assert_one_line_error(_cli("run", "--target", str(tiny), "--draft", "suffix", "--draft-siblings", "2", prompt),
+                           "draft-siblings")
