@@ -13,11 +13,12 @@ from graphspec.graph import Graph, Stage
 from graphspec.pipeline import GenerationResult, Pipeline, build_graph
 from graphspec.state import SamplingParams, State
 from graphspec.stats import GenerationStats
+from graphspec.suffix import HybridDrafter, SuffixDrafter, SuffixStore
 from graphspec.verify import TreeVerify, Verify
 
 __all__ = ["Pipeline", "GenerationResult", "GenerationStats", "SamplingParams", "State", "Graph", "Stage",
            "build_graph", "ModelDrafter", "NgramDrafter", "Verify", "GreedyAcceptance", "RejectionSampling",
-           "TreeVerify", "TreeAcceptance", "load_model"]
+           "TreeVerify", "TreeAcceptance", "load_model", "SuffixDrafter", "HybridDrafter", "SuffixStore"]
 
 
 def __getattr__(name: str):
