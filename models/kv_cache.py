@@ -25,13 +25,28 @@ def available_bytes(device: torch.device | str) -> int | None:
         if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[0])
         if device.type == "cpu":
+            free = None
             with open("/proc/meminfo", encoding="ascii") as f:
                 for line in f:
                     if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
+                        free = int(line.split()[1]) * 1024
+            return _address_space_left(free)
     except (OSError, RuntimeError, ValueError):
         pass
     return None
+
+
+def _address_space_left(free: int | None) -> int | None:
+    """``free``, lowered to what this process's address-space limit (RLIMIT_AS) still allows."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return free
+    with open("/proc/self/statm", encoding="ascii") as f:
+        used = int(f.read().split()[0]) * resource.getpagesize()
+    left = max(0, limit - used)
+    return left if free is None else min(free, left)
 
 
 def check_fits(nbytes: int, device: torch.device | str, what: str) -> None:

@@ -401,8 +401,7 @@ def _work_dir(name: str) -> Iterator[Path]:
 
 def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
     """`pip download --no-deps` the wheels into `dest`; pip's own output is the progress shown."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", str(dest), *requirements]  # fmt: skip
+    cmd = _pip_command(requirements, dest)
     if progress:  # pip's log on stderr: stdout is the command's own (generated text, JSON, a path)
         result = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=_stderr_fd(), preexec_fn=_die_with_parent)
         tail = ""
@@ -415,6 +414,11 @@ def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
             f"pip download of {' '.join(requirements)} failed (exit {result.returncode}); check that a "
             f"package index is reachable and names these versions{tail}"
         )
+
+
+def _pip_command(requirements: list[str], dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "-d", str(dest), *requirements]  # fmt: skip
 
 
 def _stderr_fd() -> int:
