@@ -251,6 +251,11 @@ def _load(path_or_name: str, what: str, dtype, device, quantize=None):
 
 def _message(e: BaseException) -> str:
     """The whole text of an error (every problem it lists, one per line); OSErrors name their file."""
+    if isinstance(e, OSError):
+        from graphspec.models.zoo import unusable_cache_message
+
+        if (text := unusable_cache_message(e)) is not None:
+            return text
     if isinstance(e, KeyError) and e.args:
         text = str(e.args[0])
     elif isinstance(e, OSError) and e.strerror and not str(e).startswith(e.strerror):

@@ -281,6 +281,21 @@ def _usable_root() -> Path:
     return root
 
 
+def unusable_cache_message(e: OSError) -> str | None:
+    """For an OSError on a path inside the cache root (the zoo's or the CPU backend's build folders), the one-line
+    explanation that names GRAPHSPEC_CACHE; None for errors elsewhere."""
+    if not e.filename:
+        return None
+    root = cache_root()
+    try:
+        Path(os.path.abspath(e.filename)).relative_to(os.path.abspath(root))
+    except ValueError:
+        return None
+    where = f"GRAPHSPEC_CACHE={os.environ['GRAPHSPEC_CACHE']}" if os.environ.get("GRAPHSPEC_CACHE") else str(root)
+    return (f"the graphspec cache {where} is unusable ({e.strerror}: {e.filename}); point GRAPHSPEC_CACHE at a "
+            "writable folder (or unset it to use ~/.cache/graphspec)")
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
