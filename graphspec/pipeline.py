@@ -341,6 +341,51 @@ class Pipeline:
         dev = torch.device(self.target.device)
         self.sync_timing = (dev.type == "cuda") if sync_timing is None else bool(sync_timing)
 
+    # A callable (stats, K) -> the draft length of the next step (the batched engine's speculation policy);
+    # None: K every step.
+    _draft_budget = None
+
+    def _rebound(self, models: list[tuple[object, object]]) -> "Pipeline":
+        """A shallow copy whose stages call ``new`` wherever they called model ``old``, for each
+        ``(old, new)`` in ``models`` (the batched engine's proxies); options and stages otherwise shared."""
+        import copy
+
+        swap = {id(old): new for old, new in models}
+
+        def rebind(stage: Stage) -> Stage:
+            """The stage's twin; stages it refers to (a hybrid's model drafter, the map stage's drafter) become
+            their twins too, one twin per stage, so the copies refer to each other as the originals do."""
+            if id(stage) in swap:
+                return swap[id(stage)]
+            twin = copy.copy(stage)
+            swap[id(stage)] = twin
+            for name, value in list(vars(twin).items()):
+                if id(value) in swap:
+                    setattr(twin, name, swap[id(value)])
+                elif isinstance(value, Stage):
+                    setattr(twin, name, rebind(value))
+            return twin
+
+        pipe = copy.copy(self)
+        graph = self._graph
+        for stage in self._graph:
+            graph = graph.replace(stage.name, rebind(stage))
+        pipe._graph = graph
+        pipe.target = swap.get(id(self.target), self.target)
+        pipe.draft = swap.get(id(self.draft), self.draft) if self.draft is not None else None
+        return pipe
+
+    def run_batch(self, prompts: Sequence, max_batch: int = 16, policy="off", **kwargs) -> list[GenerationResult]:
+        """``run`` for each of ``prompts`` (same keyword arguments), the sequences batched together by
+        ``graphspec.engine.Engine``: each result is the one ``run`` gives alone. ``policy="auto"`` lets greedy
+        sequences draft fewer tokens where verify rows cost more than they return (same tokens, other stats)."""
+        from graphspec.engine import Engine
+
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
+            raise ValueError("run_batch takes a list of prompts (each a string, token ids or chat messages)")
+        engine = Engine(self, max_batch=max_batch, max_queue=len(prompts), policy=policy)
+        return engine.run_batch(list(prompts), **kwargs)
+
     # ----------------------------------------------------------------------------- graph
 
     @property
@@ -493,7 +538,8 @@ class Pipeline:
                 t0 = clock()
                 remaining = max_new_tokens - produced
                 state.clear(graph.written)
-                state.num_draft = min(K, remaining - 1)
+                k = K if self._draft_budget is None or not K else self._draft_budget(stats, K)
+                state.num_draft = min(k, remaining - 1)
                 with use_backend(backend):
                     graph.run(state, stats.stage_seconds, sync=sync, device=device)
                 emitted = state.emitted[0]

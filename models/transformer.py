@@ -194,6 +194,48 @@ class Transformer:
         wider ``[T, m]`` mask over the last m positions (cached nodes, then the new ones; CPU only).
         Returns ``[B, n, V]`` fp32 (``V = len(ids)`` with ``head``) and advances ``cache.length`` by T.
         """
+        token_ids, positions = self._check_step(token_ids, cache, positions, head)
+        logits = self._forward(token_ids, positions, cache, logits_for, head, tree)
+        cache.advance(token_ids.shape[1])
+        return logits
+
+    def step_many(self, requests: list[dict]) -> list[torch.Tensor]:
+        """Several sequences' ``step`` calls (each a dict of ``step``'s arguments, batch size 1, own cache) in
+        one forward: the GEMMs run once over every request's rows and attention runs per request against its
+        own cache, so the weights are read once for all of them (the batched engine's verify and draft steps).
+
+        Each request's logits are the bits its own ``step`` call gives wherever the GEMMs are row-exact (blocks
+        of up to ``EXACT_ROWS_MAX`` rows on the CPU: keep the rows of all requests within that). An int8 model
+        with its C++ forward runs the requests one after another (that forward is per cache).
+        """
+        if not requests:
+            return []
+        if len(requests) == 1 or (self.quantize and self.lean_int8_forward and cpu.available()):
+            return [self.step(**r) for r in requests]
+        ids, pos, segments, rows = [], [], [], []
+        head = requests[0].get("head")
+        for r in requests:
+            unknown = set(r) - {"token_ids", "cache", "positions", "logits_for", "head", "tree"}
+            if unknown:
+                raise ValueError(f"step_many: unknown step arguments {sorted(unknown)}")
+            if r.get("head") is not head:
+                raise ValueError("step_many: every request must use the same head (None or one head_rows tensor)")
+            t_ids, t_pos = self._check_step(r["token_ids"], r["cache"], r.get("positions"), head)
+            if t_ids.shape[0] != 1:
+                raise ValueError(f"step_many takes requests of batch size 1, got {t_ids.shape[0]}")
+            if any(r["cache"] is seg[0] for seg in segments):
+                raise ValueError("step_many: two requests share one cache")
+            ids.append(t_ids)
+            pos.append(t_pos)
+            segments.append((r["cache"], t_ids.shape[1], r.get("tree")))
+            rows.append(self._rows(r.get("logits_for", "all"), t_ids.shape[1]))
+        logits = self._run(torch.cat(ids, dim=1), torch.cat(pos, dim=1), segments, rows, head)
+        for cache, t, _ in segments:
+            cache.advance(t)
+        return logits
+
+    def _check_step(self, token_ids, cache, positions, head):
+        """``step``'s argument checks; returns the ids (int64) and the positions (default: the cache slots)."""
         token_ids = self._check_ids(token_ids)
         b, t = token_ids.shape
         if not isinstance(cache, KVCache):
@@ -219,9 +261,7 @@ class Transformer:
         if head is not None and (getattr(head, "ndim", 0) != 2 or head.shape[1] != c.hidden_size):
             raise ValueError(f"head must come from this model's head_rows(ids) ([n, {c.hidden_size}]), got "
                              f"{type(head).__name__} {tuple(getattr(head, 'shape', ()))}")
-        logits = self._forward(token_ids, positions, cache, logits_for, head, tree)
-        cache.advance(t)
-        return logits
+        return token_ids, positions
 
     def _check_ids(self, ids) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
@@ -248,30 +288,49 @@ class Transformer:
         raise ValueError(f"logits_for={logits_for!r}; expected 'all', 'last' or a 1-d LongTensor of row indices")
 
     def _forward(self, ids, positions, cache, logits_for, head=None, tree=None) -> torch.Tensor:
-        c = self.config
         rows = self._rows(logits_for, ids.shape[1])
         if self.quantize and self.lean_int8_forward and cache is not None and cpu.available():
             with torch.no_grad():
                 return self._forward_int8(ids, positions, cache, rows, head, tree)
+        return self._run(ids, positions, [(cache, ids.shape[1], tree)], [rows], head)[0]
+
+    def _run(self, ids, positions, segments, rows, head=None) -> list[torch.Tensor]:
+        """The layers over ``ids [B, N]``: ``segments`` ``[(cache, T, tree)]`` split the N new tokens into
+        sequences (one for a ``step``; several for ``step_many``, B = 1) that each attend to their own cache;
+        ``rows[s]`` (None: all) are segment s's rows whose logits are wanted. Returns a ``[B, n_s, V]`` per
+        segment."""
+        c = self.config
         with use_backend(self.backend), torch.no_grad():
-            x = F.embedding(ids, self.embed).to(self.dtype)  # [B, T, H]
+            x = F.embedding(ids, self.embed).to(self.dtype)  # [B, N, H]
             h = x
             tables = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)
             normed = rmsnorm(x, self.layers[0].input_norm, c.rms_norm_eps)
             last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                a = self._attention(i, layer, normed, positions, tables, cache, tree)
+                a = self._attention(i, layer, normed, positions, tables, segments)
                 normed, h = rmsnorm(a, layer.post_norm, c.rms_norm_eps, residual=h)  # h = h + attn(norm(h))
                 m = self._mlp(layer, normed)
                 if i < last:
                     normed, h = rmsnorm(m, self.layers[i + 1].input_norm, c.rms_norm_eps, residual=h)
             # Last residual add + final norm + lm_head only on the rows whose logits are wanted.
-            if rows is not None:
-                m, h = m[:, rows], h[:, rows]
+            if len(segments) == 1:
+                if rows[0] is not None:
+                    m, h = m[:, rows[0]], h[:, rows[0]]
+                counts = None
+            else:
+                picked, counts, start = [], [], 0
+                for (_, t, _), r in zip(segments, rows):
+                    r = torch.arange(t, device=ids.device) if r is None else r
+                    picked.append(r + start)
+                    counts.append(r.numel())
+                    start += t
+                index = torch.cat(picked)
+                m, h = m[:, index], h[:, index]
             out, _ = rmsnorm(m, self.norm, c.rms_norm_eps, residual=h)
-            return linear(out, self.lm_head if head is None else head).float()  # [B, n, V]
+            logits = linear(out, self.lm_head if head is None else head).float()  # [B, n, V]
+            return [logits] if counts is None else list(logits.split(counts, dim=1))
 
-    def _attention(self, i: int, layer: Layer, x, positions, tables, cache, tree=None) -> torch.Tensor:
+    def _attention(self, i: int, layer: Layer, x, positions, tables, segments) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
         hq, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -279,9 +338,18 @@ class Transformer:
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.view(b, t, hq, d), k.view(b, t, hk, d), v.view(b, t, hk, d)
         q, k = rope(q, k, positions, self.inv_freq, self.rope_attention_scaling, tables)
-        if cache is not None:
-            k, v = cache.append(i, k, v)  # [B, length + T, Hk, D] views of the cache
-        o = attention(q, k, v, self.scale, tree=tree)  # [B, T, Hq, D]
+        if len(segments) == 1:
+            cache, _, tree = segments[0]
+            if cache is not None:
+                k, v = cache.append(i, k, v)  # [B, length + T, Hk, D] views of the cache
+            o = attention(q, k, v, self.scale, tree=tree)  # [B, T, Hq, D]
+        else:  # each sequence against its own cache, as its own step would
+            outs, start = [], 0
+            for cache, n, tree in segments:
+                ks, vs = cache.append(i, k[:, start:start + n], v[:, start:start + n])
+                outs.append(attention(q[:, start:start + n], ks, vs, self.scale, tree=tree))
+                start += n
+            o = torch.cat(outs, dim=1)
         return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
 
     # int8 models run cached forwards through _forward_int8 where the CPU backend has a C++ level (False: the

@@ -1,0 +1,274 @@
+"""The batched engine: each sequence's output is the one Pipeline.run gives alone, whatever else is batched.
+
+Tiny random checkpoints (a real Transformer, so ``step_many`` batches the forwards) and toy models (the
+chi-square oracle). Greedy outputs are token-exact; seeded sampled outputs are the same samples; the
+sampling distribution through the engine, with other sequences in the batch, passes the chi-square test.
+"""
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import graphspec
+from graphspec import SamplingParams
+from graphspec.engine import CostTable, Engine, QueueFull, SpeculationPolicy
+from tests.checkpoints import make_checkpoint
+from tests.graphspec.oracle import chi2_pvalue, exact_marginals
+from tests.graphspec.test_lossless import PROMPT, _draft, _target
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    target = make_checkpoint(root / "target", "qwen2", hidden_size=96, layers=2, heads=6, kv_heads=2, seed=0,
+                             chat_template="chatml")
+    draft = make_checkpoint(root / "draft", "qwen2", hidden_size=64, layers=1, heads=4, kv_heads=2, seed=1,
+                            chat_template="chatml")
+    # a draft with another tokenizer (metaspace): the cross-vocabulary stages run in the engine too
+    other = make_checkpoint(root / "other", "llama", tokenizer="metaspace", hidden_size=64, layers=1, heads=4,
+                            kv_heads=2, seed=2)
+    return target, draft, other
+
+
+PROMPTS = ["hello world", "the cat sat on the mat " * 3, "a", "one two three four five six seven",
+           [{"role": "user", "content": "hi there"}], "abc abc abc abc abc", "x y z", "zzz " * 9]
+
+
+def _requests(n):
+    """n requests of mixed prompts, lengths, greedy and seeded sampling."""
+    out = []
+    for i in range(n):
+        kw = dict(max_new_tokens=5 + (7 * i) % 23, ignore_eos=True)
+        if i % 3 == 1:
+            kw.update(temperature=0.9, seed=1000 + i)
+        elif i % 3 == 2:
+            kw.update(temperature=0.7, top_k=20, top_p=0.9, seed=2000 + i)
+        out.append((PROMPTS[i % len(PROMPTS)], kw))
+    return out
+
+
+def _pipes(tiny_dirs, dtype):
+    target_dir, draft_dir, other_dir = tiny_dirs
+    target = graphspec.load_model(target_dir, dtype=dtype)
+    draft = graphspec.load_model(draft_dir, dtype=dtype)
+    return {
+        "plain": graphspec.Pipeline(target),
+        "model": graphspec.Pipeline(target, draft, num_speculative_tokens=4, draft_confidence_threshold=None),
+        "tree": graphspec.Pipeline(target, draft, num_speculative_tokens=5, draft_siblings=2),
+        "ngram": graphspec.Pipeline(target, "ngram", num_speculative_tokens=3),
+        "cross": graphspec.Pipeline(target, graphspec.load_model(other_dir, dtype=dtype), num_speculative_tokens=3),
+    }
+
+
+@pytest.mark.parametrize("dtype, concurrency, names", [
+    (torch.float32, 1, ["model"]),
+    (torch.float32, 4, ["plain", "model", "tree", "ngram", "cross"]),
+    (torch.float32, 16, ["model", "tree"]),
+    (torch.bfloat16, 4, ["plain", "model", "tree"]),
+    (torch.bfloat16, 16, ["model"]),
+], ids=["fp32-1", "fp32-4", "fp32-16", "bf16-4", "bf16-16"])
+def test_batched_outputs_equal_each_request_alone(tiny_dirs, dtype, concurrency, names):
+    requests = _requests(max(concurrency, 6))
+    pipes = _pipes(tiny_dirs, dtype)
+    for name in names:
+        pipe = pipes[name]
+        alone = [pipe.run(p, **kw) for p, kw in requests]
+        engine = Engine(pipe, max_batch=concurrency, policy="off")
+        got = [s.result(timeout=120) for s in [engine.submit(p, **kw) for p, kw in requests]]
+        for i, (a, b) in enumerate(zip(alone, got)):
+            assert b.token_ids == a.token_ids, (name, i, requests[i])
+            assert b.text == a.text and b.finish_reason == a.finish_reason
+            assert b.stats.target_forwards == a.stats.target_forwards
+        if concurrency > 1:  # forwards really were shared: fewer batched target forwards than requests made
+            assert engine.forwards["target"] < sum(a.stats.target_forwards for a in alone), name
+        assert engine.running == 0 and engine.waiting == 0
+        assert engine.live_caches() == 0
+
+
+def test_run_batch_is_run_for_each_prompt(tiny_dirs):
+    pipe = _pipes(tiny_dirs, torch.float32)["tree"]
+    prompts = PROMPTS[:5]
+    alone = [pipe.run(p, max_new_tokens=12) for p in prompts]
+    batch = pipe.run_batch(prompts, max_new_tokens=12, max_batch=3)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    with pytest.raises(ValueError, match="list of prompts"):
+        pipe.run_batch("one string")
+
+
+def test_step_many_rows_are_the_rows_of_each_step(tiny_dirs, any_level):
+    """``Transformer.step_many``: each request's logits are the bits of its own ``step`` (chains, a tree mask,
+    logits_for variants), at every CPU level."""
+    from graphspec.kernels.attention import ancestor_mask
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = graphspec.load_model(tiny_dirs[0], dtype=dtype)
+        g = torch.Generator().manual_seed(0)
+        caches = []
+        for length in (5, 9, 3, 1):
+            c = model.new_cache(64)
+            model.step(torch.randint(0, 300, (1, length), generator=g), c)
+            caches.append(c)
+        parents = [-1, 0, 0, 1]
+        tree = ancestor_mask(torch.tensor(parents))
+        depth = torch.tensor([[0, 1, 1, 2]]) + caches[3].length
+        reqs = [dict(token_ids=torch.randint(0, 300, (1, 1), generator=g)),
+                dict(token_ids=torch.randint(0, 300, (1, 6), generator=g), logits_for="all"),
+                dict(token_ids=torch.randint(0, 300, (1, 3), generator=g), logits_for="last"),
+                dict(token_ids=torch.randint(0, 300, (1, 4), generator=g), positions=depth, tree=tree)]
+        lengths = [c.length for c in caches]
+        alone = [model.step(cache=c, **r) for c, r in zip(caches, reqs)]
+        after = [c.length for c in caches]
+        for c, n in zip(caches, lengths):
+            c.truncate(n)
+        many = model.step_many([dict(cache=c, **r) for c, r in zip(caches, reqs)])
+        assert [c.length for c in caches] == after
+        for i, (a, b) in enumerate(zip(alone, many)):
+            assert a.shape == b.shape and torch.equal(a, b), (dtype, any_level, i)
+        with pytest.raises(ValueError, match="share one cache"):
+            model.step_many([dict(token_ids=reqs[0]["token_ids"], cache=caches[0])] * 2)
+
+
+def test_policy_keeps_greedy_tokens_and_follows_the_costs(tiny_dirs):
+    pipe = _pipes(tiny_dirs, torch.float32)["model"]
+    prompts = [p for p in PROMPTS if isinstance(p, str)][:4]
+    alone = [pipe.run(p, max_new_tokens=20, ignore_eos=True) for p in prompts]
+    # verify rows free, drafts free: draft every step; verify rows dear: never draft
+    cheap = CostTable(target={1: 1.0, 64: 1.0}, draft={1: 0.0, 64: 0.0})
+    dear = CostTable(target={1: 1.0, 64: 64.0}, draft={1: 0.5, 64: 0.5})
+    for costs, drafts in ((cheap, True), (dear, False)):
+        engine = Engine(pipe, max_batch=4, policy=SpeculationPolicy(costs))
+        got = [s.result(timeout=60) for s in [engine.submit(p, max_new_tokens=20, ignore_eos=True) for p in prompts]]
+        assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+        proposed = sum(r.stats.proposed for r in got)
+        assert (proposed > 0) == drafts, (costs, proposed)
+    # sampled requests keep K whatever the policy says, so a seed gives the same sample as alone
+    engine = Engine(pipe, max_batch=2, policy=SpeculationPolicy(dear))
+    s = engine.submit(prompts[0], max_new_tokens=15, temperature=0.8, seed=5)
+    assert s.result(timeout=60).token_ids == pipe.run(prompts[0], max_new_tokens=15, temperature=0.8, seed=5).token_ids
+
+
+def test_policy_choice():
+    flat = SpeculationPolicy(CostTable(target={1: 1.0, 64: 1.1}, draft={1: 0.05, 64: 0.05}))
+    assert flat.choose(5, running=1, accepted=90, proposed=100) == 5  # good drafts, verify rows nearly free
+    assert flat.choose(5, running=1, accepted=0, proposed=200) == 0   # a draft that is never accepted
+    linear = SpeculationPolicy(CostTable(target={1: 1.0, 64: 64.0}, draft={1: 0.05, 64: 3.2}))
+    assert linear.choose(5, running=8, accepted=60, proposed=100) == 0  # rows cost what they return, or more
+    mid = SpeculationPolicy(CostTable(target={1: 1.0, 8: 1.2, 64: 8.0}, draft={1: 0.05, 64: 0.4}))
+    assert 0 < mid.choose(5, running=1, accepted=70, proposed=100) <= 5
+    # as the batch grows the rows cost more, and the policy drafts no more than at a small batch
+    assert mid.choose(5, running=16, accepted=70, proposed=100) <= mid.choose(5, running=1, accepted=70,
+                                                                               proposed=100)
+
+
+def test_cost_table_is_measured(tiny_dirs):
+    model = graphspec.load_model(tiny_dirs[0])
+    costs = CostTable.measure(model, model, rows=(1, 4), repeats=1)
+    assert set(costs.target) == {1, 4} and all(v > 0 for v in costs.target.values())
+    assert costs.target_cost(2) > 0 and costs.draft_cost(100) > 0
+
+
+def test_cancelled_sequences_free_their_slots_and_caches(tiny_dirs):
+    pipe = _pipes(tiny_dirs, torch.float32)["model"]
+    engine = Engine(pipe, max_batch=8, max_queue=200, policy="off")
+    seqs = []
+    for i in range(100):
+        s = engine.submit(PROMPTS[i % 4], max_new_tokens=200, ignore_eos=True)
+        seqs.append(s)
+    for s in seqs:  # cancel each after its first piece (or at once if it is still waiting)
+        if s.engine.running and not s.done:
+            time.sleep(0.001)
+        s.cancel()
+    for s in seqs:
+        s._done.wait(60)
+    assert all(s.done for s in seqs)
+    assert all(s._result is None or len(s._result.token_ids) < 200 for s in seqs)
+    assert engine.running == 0 and engine.waiting == 0
+    gc.collect()
+    assert engine.live_caches() == 0
+    # and the engine still serves
+    r = engine.submit("hello world", max_new_tokens=6).result(timeout=60)
+    assert r.token_ids == pipe.run("hello world", max_new_tokens=6).token_ids
+
+
+def test_queue_limit_and_bad_arguments(tiny_dirs):
+    pipe = _pipes(tiny_dirs, torch.float32)["plain"]
+    engine = Engine(pipe, max_batch=1, max_queue=1, policy="off")
+    first = engine.submit("hello", max_new_tokens=400, ignore_eos=True)
+    second = engine.submit("hello", max_new_tokens=5)
+    with pytest.raises(QueueFull, match="max_queue=1"):
+        engine.submit("hello", max_new_tokens=5)
+    first.cancel()
+    assert second.result(timeout=60).token_ids == pipe.run("hello", max_new_tokens=5).token_ids
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.submit("hello", max_new_tokens=10**6)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.submit("hello", temperature=-1)
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(pipe, max_batch=0)
+    with pytest.raises(ValueError, match="policy"):
+        Engine(pipe, policy="sometimes")
+    with pytest.raises(ValueError, match="Pipeline"):
+        Engine(object())
+
+
+def test_a_failing_forward_fails_its_requests_only():
+    """A forward that raises fails the sequence it ran for, with that error; the others and later ones run."""
+    from tests.graphspec.toy import ToyLM
+
+    class Fragile(ToyLM):
+        def step(self, token_ids, *args, **kwargs):
+            if 13 in token_ids.tolist()[0]:
+                raise RuntimeError("token 13 breaks this model")
+            return super().step(token_ids, *args, **kwargs)
+
+    target = Fragile(16, seed=0)
+    pipe = graphspec.Pipeline(target, ToyLM(16, seed=1), num_speculative_tokens=3)
+    want = {}
+    for i in range(16):
+        try:
+            want[i] = pipe.run([1, 2, i], max_new_tokens=6, ignore_eos=True).token_ids
+        except RuntimeError:
+            pass
+    fine = sorted(want)[:4]
+    assert len(fine) == 4
+    engine = Engine(pipe, max_batch=4, policy="off")
+    good = [engine.submit([1, 2, i], max_new_tokens=6, ignore_eos=True) for i in fine[:3]]
+    bad = engine.submit([13, 2], max_new_tokens=5)
+    with pytest.raises(RuntimeError, match="token 13"):
+        bad.result(timeout=30)
+    assert [s.result(timeout=30).token_ids for s in good] == [want[i] for i in fine[:3]]
+    assert engine.running == 0
+    assert engine.submit([1, 2, fine[3]], max_new_tokens=6, ignore_eos=True).result(timeout=30).token_ids == want[fine[3]]
+
+
+N_RUNS = 2000
+
+
+def test_sampling_through_the_engine_matches_the_target_distribution():
+    """The chi-square oracle of test_lossless, with every sample drawn through the engine while greedy and
+    sampled requests of other prompts share the batch."""
+    pipe = graphspec.Pipeline(_target(), draft=_draft(), num_speculative_tokens=3, draft_confidence_threshold=None)
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(pipe, max_batch=16, max_queue=N_RUNS * 2, policy="off")
+    seqs, others = [], []
+    for seed in range(N_RUNS):
+        seqs.append(engine.submit(PROMPT, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True))
+        if seed % 4 == 0:  # other traffic in the batch: greedy and sampled, other prompts and lengths
+            others.append(engine.submit([5, 6, 7], max_new_tokens=1 + seed % 7, ignore_eos=True,
+                                        temperature=0.0 if seed % 8 else 0.6, seed=seed))
+    samples = np.array([s.result(timeout=300).token_ids for s in seqs])
+    for s in others:
+        s.result(timeout=300)
+    exact = exact_marginals(pipe.target, PROMPT, params)
+    pvalues = [chi2_pvalue(samples[:, i], exact[i]) for i in range(3)]
+    assert min(pvalues) > 1e-3, pvalues
+    # and the engine's samples are the very samples of Pipeline.run with those seeds
+    for seed in (0, 1, 777, 1999):
+        assert samples[seed].tolist() == pipe.run(PROMPT, max_new_tokens=3, temperature=1.0, seed=seed,
+                                                  ignore_eos=True).token_ids
