@@ -30,6 +30,8 @@
   bandwidth with one thread, costs about the same for 1..8 rows, and gives every row the bits it gets
   alone, whatever the row count, with no padding or splitting. ``GRAPHSPEC_CPU=generic`` or ``torch`` (or
   ``layout="onednn"``) keeps oneDNN.
+- GGUF block-format weights (``graphspec.kernels.qlinear.BlockWeight``: Q4_0 ... Q6_K as the file stores them)
+  take fp32 activations and run by ``qlinear`` (the CPU backend's block GEMMs, or Triton on CUDA).
 - Draft models on a CPU may use ``quantize_weight`` instead: int8 weights (``Int8Weight``) run by
   graphspec's int8 GEMM (the CPU backend's, at every C++ level; ``int8_linear_ref`` at the torch level),
   half the bytes of bf16; approximate, so for drafts only.
@@ -46,6 +48,7 @@ import triton
 import triton.language as tl
 
 from graphspec.kernels import cpu
+from graphspec.kernels.qlinear import BlockWeight, StackedWeight, qlinear
 from graphspec.kernels._dispatch import (EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, interpreter_enabled, rows_exact,
                                         use_triton)
 
@@ -605,6 +608,23 @@ def _linear_int8(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None)
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _linear_blocks(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A GGUF block-format weight (``graphspec.kernels.qlinear``): fp32 activations, fp32 result."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"a {type(weight).__name__} ({weight!r}) multiplies fp32 activations, but x is {x.dtype}; "
+                         "load a GGUF-weights model with dtype float32")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} ([N, K]) but x's last dimension is {x.shape[-1]}; "
+                         "K must match")
+    if x.device != weight.device:
+        raise ValueError(f"weight is a {type(weight).__name__} on {weight.device} but x is on {x.device}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(torch.float32,), device=x.device)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias has {bias.shape[0]} elements but weight has N={weight.shape[0]} rows")
+    return qlinear(x, weight, bias)
+
+
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Torch path and test oracle: ``torch.nn.functional.linear``."""
     return torch.nn.functional.linear(x, weight, bias)
@@ -619,6 +639,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dimension ([..., K]), got a 0-d tensor")
+    if isinstance(weight, (BlockWeight, StackedWeight)):
+        return _linear_blocks(x, weight, bias)
     packed = isinstance(weight, (PackedWeight, NativeWeight, Int8Weight))
     if not packed:
         check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)

@@ -228,6 +228,36 @@ def ops(name: str | None = None):
     return getattr(torch.ops, f"graphspec_cpu_{name}")
 
 
+_QSOURCES = [_HERE / "qgemm.cpp"]
+
+
+@functools.cache
+def _load_q(name: str) -> None:
+    """Build (or reuse) and load level ``name``'s block-format GEMM extension (``qgemm.cpp``) once per process.
+
+    Its own extension (``graphspec_cpuq_<level>``), so that editing it rebuilds only itself; -ffp-contract=off
+    keeps its dequantization op for op the gguf package's (no fused multiply-adds the source does not ask for).
+    """
+    ns = f"graphspec_cpuq_{name}"
+    if hasattr(getattr(torch.ops, ns), "level"):
+        return
+    build(ns, _QSOURCES, f"cpuq-{name}", f"graphspec's C++ block-format GEMMs at the {name} level",
+          CFLAGS + _FLAGS[name] + ["-ffp-contract=off", f"-DGS_NS={ns}"])
+    got = getattr(torch.ops, ns).level()
+    if got != name:
+        raise NativeBuildError(f"the {name} block GEMM build compiled as level {got!r}: the compiler ignored "
+                               f"{_FLAGS[name]}")
+
+
+def qops(name: str | None = None):
+    """The block-format GEMM ops of level ``name`` (default: the level in force): ``level``, ``qlinear``."""
+    name = level() if name is None else name
+    if name == "torch":
+        raise ValueError("the torch level has no C++ ops; check available() first")
+    _load_q(name)
+    return getattr(torch.ops, f"graphspec_cpuq_{name}")
+
+
 def classes(name: str | None = None):
     """The custom classes of level ``name`` (default: the level in force): ``Int8Linear``, ``Int8Draft``."""
     ops(name)

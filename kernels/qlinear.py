@@ -1,0 +1,266 @@
+"""Linear layers on GGUF block-quantized weights, kept in memory as the file stores them.
+
+- :class:`BlockWeight` holds one ``[N, K]`` GGUF tensor's bytes unchanged: ``blocks`` is uint8
+  ``[N, K / block_size * type_size]``, each weight row a run of whole blocks (GGUF tensors are
+  row-major with K the fastest axis and K a multiple of the block size). Formats: the legacy
+  blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), the k-quants' super-blocks of 256 (Q4_K, Q5_K,
+  Q6_K), and F32 / F16 / BF16 (a "block" of one value) for the small tensors a quantized file
+  keeps in float.
+- Each weight's value is what ``gguf.quants.dequantize`` defines, op for op in fp32 (for
+  example Q4_K: ``(d * sc) * q - dmin * m``, each product and the difference rounded once, no
+  fused multiply-add), so :func:`dequantize_ref` (torch) is bit-identical to the gguf package's
+  numpy code, and so is the dequantization inside the C++ GEMM (``kernels/cpu/qgemm.cpp``).
+- ``linear`` (``graphspec.kernels.linear``) dispatches a BlockWeight here: activations are fp32
+  and stay fp32; on the CPU the C++ GEMM of the level in force (avx512, avx2, generic) sums
+  each output in one fixed order whatever the number of rows and threads, so a row's result is
+  bit-identical alone and inside a verify; at the torch level :func:`qlinear_ref`
+  (dequantize, then an fp32 matmul). On CUDA (or backend="triton") the Triton kernels of
+  ``kernels/qlinear_triton.py`` run, where present.
+- :class:`StackedWeight` is several weights stacked along N (a fused q/k/v or gate/up whose
+  parts a file stores in different formats): each part runs on its own, outputs concatenated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphspec.kernels import cpu
+
+__all__ = ["FORMATS", "BlockWeight", "StackedWeight", "dequantize_ref", "qlinear", "qlinear_ref"]
+
+FORMATS: dict[str, tuple[int, int]] = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}  # fmt: skip
+"""ggml type name -> (weights per block, bytes per block), as ggml's GGML_QUANT_SIZES."""
+
+TYPE_IDS = {name: i for i, name in enumerate(FORMATS)}
+"""The type numbers the C++ GEMM takes (its own enum, in this order)."""
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 in two uint8 columns -> fp32 (exact)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n]: the low nibbles of all n bytes, then the high nibbles (ggml's order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    b = b.long()
+    return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+
+
+def _bits32(b: torch.Tensor) -> torch.Tensor:
+    """[nb, 4] bytes of a little-endian uint32 -> [nb, 32] its bits, bit 0 first."""
+    return ((_u32(b)[:, None] >> torch.arange(32, device=b.device)) & 1).to(torch.uint8)
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _k_low4(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: 128 bytes -> [nb, 8, 32]: sub-block 2i the low nibbles of bytes 32i.., 2i+1 their high ones."""
+    qs = qs.reshape(-1, 4, 1, 32)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
+
+
+def dequantize_ref(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``blocks`` (uint8 ``[..., n * type_size]``) of type ``type_name``, 1-d.
+
+    Bit-identical to ``gguf.quants.dequantize`` (tests/kernels/test_qlinear.py): the same fp32
+    operations in the same order.
+    """
+    if type_name not in FORMATS:
+        raise ValueError(f"type {type_name!r} is not a block format graphspec runs; supported: {list(FORMATS)}")
+    size, nbytes = FORMATS[type_name]
+    if blocks.dtype != torch.uint8 or blocks.numel() % nbytes:
+        raise ValueError(f"{type_name} blocks must be uint8 with a multiple of {nbytes} bytes, got "
+                         f"{blocks.dtype} with {blocks.numel()} bytes")
+    b = blocks.reshape(-1, nbytes)
+    if type_name == "F32":
+        return b.contiguous().view(torch.float32).reshape(-1).clone()
+    if type_name == "F16":
+        return b.contiguous().view(torch.float16).float().reshape(-1)
+    if type_name == "BF16":
+        return b.contiguous().view(torch.bfloat16).float().reshape(-1)
+    if type_name == "Q8_0":
+        q = b[:, 2:].contiguous().view(torch.int8).float()
+        return (q * _f16(b[:, 0:2])).reshape(-1)
+    if type_name == "Q4_0":
+        q = _nibbles(b[:, 2:18]).float() - 8.0
+        return (_f16(b[:, 0:2]) * q).reshape(-1)
+    if type_name == "Q4_1":
+        q = _nibbles(b[:, 4:20]).float()
+        return (_f16(b[:, 0:2]) * q + _f16(b[:, 2:4])).reshape(-1)
+    if type_name == "Q5_0":
+        q = (_nibbles(b[:, 6:22]) | (_bits32(b[:, 2:6]) << 4)).float() - 16.0
+        return (_f16(b[:, 0:2]) * q).reshape(-1)
+    if type_name == "Q5_1":
+        q = (_nibbles(b[:, 8:24]) | (_bits32(b[:, 4:8]) << 4)).float()
+        return (_f16(b[:, 0:2]) * q + _f16(b[:, 2:4])).reshape(-1)
+    if type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scale_min(b[:, 4:16])
+        if type_name == "Q4_K":
+            q = _k_low4(b[:, 16:144])
+        else:
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
+            q = _k_low4(b[:, 48:176]) | ((qh & 1) << 4)
+        ds = (d * sc)[:, :, None]
+        dm = (dmin * mn)[:, :, None]
+        return (ds * q.float() - dm).reshape(-1)
+    # Q6_K: ql[128], qh[64], 16 int8 scales, d
+    ql = b[:, 0:128].reshape(-1, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts[None, None, :, None]) & 3).reshape(-1, 8, 32)
+    q = ((ql | (qh << 4)).float() - 32.0).reshape(-1, 16, 16)
+    ds = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float())[:, :, None]
+    return (ds * q).reshape(-1)
+
+
+class BlockWeight:
+    """A ``[N, K]`` weight in a GGUF block format, its bytes as the file holds them (see the module docstring).
+
+    ``linear`` accepts it wherever it accepts a weight tensor; activations are fp32 (``dtype``). ``dense()``
+    gives the fp32 values (the dequantized model), ``rows(ids)`` some of them (an embedding lookup).
+    """
+
+    __slots__ = ("type", "blocks", "shape", "dtype", "device")
+
+    def __init__(self, type_name: str, blocks: torch.Tensor, shape):
+        if type_name not in FORMATS:
+            raise ValueError(f"type {type_name!r} is not a block format graphspec runs; supported: {list(FORMATS)}")
+        shape = torch.Size(shape)
+        if len(shape) != 2:
+            raise ValueError(f"a BlockWeight is 2-d ([N, K]), got shape {tuple(shape)}")
+        size, nbytes = FORMATS[type_name]
+        n, k = shape
+        if k % size:
+            raise ValueError(f"a {type_name} weight needs K a multiple of {size}, got shape {tuple(shape)}")
+        row_bytes = k // size * nbytes
+        if blocks.dtype != torch.uint8 or blocks.numel() != n * row_bytes:
+            raise ValueError(f"a {type_name} weight of shape {tuple(shape)} is {n * row_bytes} uint8 bytes, got "
+                             f"{blocks.dtype} with {blocks.numel()} elements")
+        self.type = type_name
+        self.blocks = blocks.reshape(n, row_bytes).contiguous()
+        self.shape = shape
+        self.dtype = torch.float32
+        self.device = blocks.device
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dense(self) -> torch.Tensor:
+        return dequantize_ref(self.type, self.blocks).reshape(self.shape)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 values of the weight rows ``ids`` (any shape of int64): ``[*ids.shape, K]``."""
+        flat = ids.reshape(-1)
+        return dequantize_ref(self.type, self.blocks[flat]).reshape(*ids.shape, self.shape[1])
+
+    def select(self, ids: torch.Tensor) -> "BlockWeight":
+        """The weight restricted to rows ``ids`` (1-d), still in blocks."""
+        return BlockWeight(self.type, self.blocks[ids], (ids.numel(), self.shape[1]))
+
+    def __repr__(self) -> str:
+        return f"BlockWeight({self.type}, shape={tuple(self.shape)})"
+
+
+class StackedWeight:
+    """Weights stacked along N (``[sum N_i, K]``), each a BlockWeight; ``linear`` runs each and concatenates."""
+
+    __slots__ = ("parts", "shape", "dtype", "device")
+
+    def __init__(self, parts):
+        parts = list(parts)
+        if not parts or any(not isinstance(p, BlockWeight) for p in parts):
+            raise ValueError("a StackedWeight stacks one or more BlockWeights")
+        k = parts[0].shape[1]
+        if any(p.shape[1] != k for p in parts):
+            raise ValueError(f"stacked weights must share K, got {[tuple(p.shape) for p in parts]}")
+        self.parts = parts
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), k))
+        self.dtype = torch.float32
+        self.device = parts[0].device
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([p.dense() for p in self.parts])
+
+    def __repr__(self) -> str:
+        return f"StackedWeight({', '.join(repr(p) for p in self.parts)})"
+
+
+def stack(parts) -> BlockWeight | StackedWeight:
+    """``parts`` stacked along N: one BlockWeight where they share a format (their blocks concatenated), else a
+    StackedWeight."""
+    parts = list(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.type for p in parts}) == 1 and len({p.shape[1] for p in parts}) == 1:
+        return BlockWeight(parts[0].type, torch.cat([p.blocks for p in parts]),
+                           (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+    return StackedWeight(parts)
+
+
+def qlinear_ref(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: ``x`` (fp32) times the dequantized weight, an fp32 matmul, plus ``bias``."""
+    return torch.nn.functional.linear(x.float(), weight.dense().to(x.device), None if bias is None else bias.float())
+
+
+def qlinear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x[..., K] @ weight^T (+ bias)`` for a BlockWeight / StackedWeight; fp32 in, fp32 out.
+
+    CPU: graphspec's C++ block GEMM at the level in force (every C++ level), else :func:`qlinear_ref`.
+    CUDA / Triton requested: the Triton block GEMMs. Shapes and dtypes are checked by ``linear``.
+    """
+    k = weight.shape[1]
+    x2 = x.reshape(-1, k)
+    if isinstance(weight, StackedWeight):
+        y = torch.cat([qlinear(x2, p) for p in weight.parts], dim=1)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    from graphspec.kernels._dispatch import use_triton
+
+    if use_triton(x):
+        from graphspec.kernels.qlinear_triton import qlinear_triton
+
+        y = qlinear_triton(x2, weight, bias)
+    elif x.device.type == "cpu" and cpu.available():
+        y = cpu.qops().qlinear(x2.float().contiguous(), weight.blocks, TYPE_IDS[weight.type], weight.shape[0], k,
+                               None if bias is None else bias.float().contiguous())
+    else:
+        y = qlinear_ref(x2, weight, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def bytes_per_weight(type_name: str) -> float:
+    """Bytes a weight of ``type_name`` takes in memory (what a decode step reads)."""
+    size, nbytes = FORMATS[type_name]
+    return nbytes / size
+
