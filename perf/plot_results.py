@@ -2,6 +2,7 @@
 
     .venv/bin/python perf/plot_results.py                    # -> docs/img/results.png
     .venv/bin/python perf/plot_results.py --dtype fp32 --out /tmp/fp32.png
+    .venv/bin/python perf/plot_results.py --table             # the README's results table (markdown)
 
 One panel per draft pair (the 0.5B draft, SmolLM2-135M across tokenizers); each line is one machine and
 thread count, each point one full run (4 prompts x 128 tokens) of the pair's tree method, in date order.
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from perf._common import PERF_DIR, RESULTS_CSV  # noqa: E402
 
-PAIRS = {"spec_0.5b": "Qwen2.5-Coder-0.5B draft (tree)", "spec_smollm2": "SmolLM2-135M draft (tree, other tokenizer)"}
+PAIRS = {"spec_0.5b": "Qwen2.5-Coder-0.5B draft", "spec_smollm2": "SmolLM2-135M draft (other tokenizer)"}
 DEFAULT_OUT = PERF_DIR.parent / "docs" / "img" / "results.png"
 
 
@@ -67,14 +68,50 @@ def plot(rows: list[dict], out: Path, dtype: str) -> Path:
     return out
 
 
+def table(path: Path) -> str:
+    """The README's results table: per draft pair, machine and dtype, the latest full run measured against
+    transformers, and llama.cpp's ratio from the latest run that measured it (its date when another run's)."""
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["method"] in PAIRS and r["prompts"] == "4"
+                and r["max_new_tokens"] == "128"]
+    best: dict[tuple, dict] = {}
+    llama: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: r["date"]):
+        key = (r["method"], r["machine"], r["dtype"], r["threads"])
+        if r["x_transformers"]:
+            best[key] = r
+        if r["x_llamacpp"]:
+            llama[key] = r
+    out = ["| pair | machine | dtype, threads | draft | tok/s | x our AR | x transformers (assisted) | x llama.cpp | "
+           "tokens / target forward | same tokens as AR | date | commit |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(best):
+        r = best[key]
+        lc = llama.get(key)
+        lc_cell = "-" if lc is None else f"{float(lc['x_llamacpp']):.2f}x" + (
+            "" if lc is r else f" ({lc['date'][:10]}, {lc['commit']})")
+        settings = dict(kv.split("=", 1) for kv in r["draft_settings"].split())
+        shape = {"?": "", "0": "chain"}.get(settings.get("siblings", "?"), "tree")
+        draft = ", ".join(x for x in (settings.get("quantize", "?").replace("?", ""), shape, f"K={r['k']}") if x)
+        out.append(f"| {PAIRS[r['method']]} | {r['machine']} | {r['dtype']}, {r['threads']} | {draft} | "
+                   f"{float(r['tokens_per_second']):.2f} | {float(r['x_our_ar']):.2f}x | "
+                   f"{float(r['x_transformers']):.2f}x | {lc_cell} | {float(r['tokens_per_target_forward']):.2f} | "
+                   f"{r['same_tokens_as_ar']} | {r['date'][:10]} | {r['commit']} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", type=Path, default=RESULTS_CSV, help="the results table (default perf/results.csv)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the PNG to write (default docs/img/results.png)")
+    ap.add_argument("--table", action="store_true", help="print the README's results table instead of drawing")
     args = ap.parse_args(argv)
     if not args.csv.is_file():
         raise SystemExit(f"--csv {args.csv}: no such file; perf/e2e.py writes perf/results.csv")
+    if args.table:
+        print(table(args.csv))
+        return 0
     print(f"wrote {plot(load(args.csv, args.dtype), args.out, args.dtype)}")
     return 0
 

@@ -1,0 +1,85 @@
+"""The documentation: the docs site builds strictly and offline, the README's links resolve, and the
+results table that the README and the docs draw from keeps its columns.
+
+``mkdocs build --strict`` turns every warning (a nav entry or link to a missing page, a docstring
+mkdocstrings cannot render) into a failure. The theme loads no web fonts and no plugin fetches
+anything, so the build needs no network.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_docs_build_strictly_and_offline(tmp_path):
+    site = tmp_path / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(ROOT / "mkdocs.yml"), "--site-dir", str(site)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (
+        "mkdocs build --strict failed (is the 'docs' extra installed? .venv/bin/python -m pip install -e '.[docs]'):\n"
+        + proc.stdout[-4000:] + proc.stderr[-4000:])
+    api = (site / "api" / "index.html").read_text()
+    assert 'id="graphspec.pipeline.Pipeline"' in api and "describe" in api  # the docstrings were rendered
+    for page in site.rglob("*.html"):
+        assert "fonts.googleapis.com" not in page.read_text(), f"{page} loads web fonts"
+
+
+def test_every_nav_page_exists():
+    nav = re.findall(r":\s*([\w./-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    assert nav, "mkdocs.yml has no nav"
+    missing = [p for p in nav if not (ROOT / "docs" / p).is_file()]
+    assert not missing, f"mkdocs.yml's nav names pages that docs/ lacks: {missing}"
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    links = [t for t in re.findall(r"\]\(([^)#\s]+)", text) if not t.startswith(("http://", "https://"))]
+    assert links
+    missing = [t for t in links if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+    for command in ("make demo", "make test"):
+        assert command in text
+
+
+def test_the_results_table_has_its_columns_and_e2e_appends_to_it(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from perf._common import RESULTS_COLUMNS, RESULTS_CSV, append_results
+
+    with RESULTS_CSV.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and tuple(rows[0]) == RESULTS_COLUMNS
+    assert all(r["date"] and r["method"] and float(r["tokens_per_second"]) > 0 for r in rows)
+
+    report = {"machine": {"date": "2026-01-01 00:00:00 UTC", "cpu_model": "Some CPU", "cpu_family": "25",
+                          "cpu_model_number": "17", "cpu_flags": "avx2 fma", "cpu_level": "avx2", "torch_threads": 1,
+                          "commit": "abc1234"},
+              "target": "t", "num_prompts": 2, "max_new_tokens": 8, "read_bandwidth": {"gbps_median": 20.0},
+              "dtypes": {"bf16": {"draft_quantize": "int8", "draft_vocab": "auto", "draft_siblings": "auto",
+                                  "summary": {
+                                      "ar": {"tokens_per_second": 5.0, "step_ms": 200.0, "hf_peer": "hf_ar",
+                                             "speedup_vs_hf_peer": 2.0, "prompts_differing_from_ar": 0},
+                                      "spec_0.5b": {"tokens_per_second": 10.0, "hf_peer": "hf_assist_0.5b",
+                                                    "speedup_vs_hf_peer": 4.0, "prompts_differing_from_ar": 1,
+                                                    "tokens_per_target_forward": 3.0, "num_speculative_tokens": 5}},
+                                  "vs_llamacpp": {"spec_0.5b": {"speedup_vs_llamacpp": 2.5}}}}}
+    path = tmp_path / "results.csv"
+    append_results(report, {"spec_0.5b": "d"}, path)
+    append_results(report, {"spec_0.5b": "d"}, path)  # a second run appends, with one header
+    with path.open(newline="") as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == 4 and tuple(got[0]) == RESULTS_COLUMNS
+    spec = got[1]
+    assert (spec["method"], spec["draft"], spec["x_our_ar"], spec["x_transformers"], spec["x_llamacpp"],
+            spec["same_tokens_as_ar"], spec["cpu_family_model"], spec["commit"], spec["k"]) == (
+        "spec_0.5b", "d", "2.000", "4.000", "2.500", "1/2", "25/17", "abc1234", "5")
+    assert "quantize=int8" in spec["draft_settings"] and "siblings=auto" in spec["draft_settings"]
