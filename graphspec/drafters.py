@@ -66,14 +66,9 @@ def prefill(model, cache, tokens: list[int], device) -> None:
             model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
 
 
-# draft_siblings="auto": a model draft proposes up to this many siblings (prompt lookup: a chain).
-# Qwen2.5-Coder-0.5B int8 drafting for the 1.5B (bf16, 1 thread, K=5, 4 prompts x 128 tokens): 3.16 -> 3.41
-# tokens per target forward. In a process of its own it beat the chain in six paired runs (+1% to +9%); in
-# the full benchmark, beside transformers' models, it lost twice (1.78x vs 1.90x, 1.98x vs 2.00x) and then won
-# twice (2.06x vs 1.97x, 2.10x vs 2.03x): on that CPU a fuller verify gives back much of the gain
-# (perf/RESULTS.md). Rows are cheaper on a GPU.
-# SmolLM2-135M int8 across tokenizers (SLEM, K=4, 4 prompts x 64 tokens): 2.06 -> 2.17-2.19 tokens per
-# target forward, 1.58x -> 1.64-1.74x our autoregressive in two paired sweeps (perf/RESULTS.md).
+# draft_siblings="auto" (graphspec.defaults): a model draft proposes up to this many siblings in the verify
+# rows its chain leaves unused. Siblings raise the tokens a verify emits at the price of fuller verifies, so
+# they pay where a verify of K + 1 rows costs about a one-token step; the benchmarks chose 4 (perf/RESULTS.md).
 AUTO_DRAFT_SIBLINGS = 4
 
 
@@ -188,10 +183,10 @@ def start_cache(model, state):
     return cache, int(len(state.tokens) > 1)
 
 
-# draft_vocab="auto": an int8 draft keeps this many ids (plus specials), any other draft all of them.
-# Qwen2.5-Coder-0.5B int8 drafting for the 1.5B (bf16, 1 thread, 4 prompts x 64 tokens): a draft
-# forward 32.6 -> 28.4 ms at the same 2.81 tokens per target forward, 1.67x -> 1.77x autoregressive;
-# 32768 lost acceptance (perf/RESULTS.md). Vocabularies up to this size are kept whole.
+# draft_vocab="auto" (graphspec.defaults): an int8 draft keeps this many ids (plus specials), any other draft
+# all of them. An int8 draft's lm_head is the largest share of the bytes a draft step reads; the ids kept must
+# still cover the target's common answers (fewer lost acceptance in the sweeps, perf/RESULTS.md).
+# Vocabularies up to this size are kept whole.
 AUTO_DRAFT_VOCAB = 65536
 
 
@@ -294,13 +289,13 @@ def rows_logits(model, head: DraftHead | None, new: torch.Tensor, cache, positio
 # A beam (``draft_beam=w``) stops growing once its likeliest path's draft probability falls below its
 # threshold or after BEAM_MAX_DEPTH forwards, and keeps this many children per node beyond its width
 # (the root: twice as many): the settings of the replay that chose the design (perf/RESULTS.md).
-# The threshold "auto" means: BEAM_STOP_PROBABILITY across tokenizers (CrossVocabDrafter, SmolLM2's sweeps)
-# and SAME_VOCAB_BEAM_STOP_PROBABILITY with the target's tokenizer (ModelDrafter: the 0.5B's paired sweep,
-# 0.25 / 0.35 / 0.45 gave 2.14x / 2.09x / 2.06x our autoregressive, perf/RESULTS.md section W).
+# The threshold "auto" means: BEAM_STOP_PROBABILITY across tokenizers (CrossVocabDrafter) and
+# SAME_VOCAB_BEAM_STOP_PROBABILITY with the target's tokenizer (ModelDrafter), whose longer tokens make a
+# deep low-probability path less likely to be taken; both come from paired sweeps.
 BEAM_STOP_PROBABILITY = 0.15
 SAME_VOCAB_BEAM_STOP_PROBABILITY = 0.25
 BEAM_EXTRA_CHILDREN = 2
-BEAM_MAX_DEPTH = 6  # forwards a step at most (6, 8, 10 within 1% of each other at K=10, 4 prompts x 64)
+BEAM_MAX_DEPTH = 6  # forwards a step at most (deeper limits gained nothing in the sweeps: the path score stops first)
 
 
 @dataclasses.dataclass
@@ -418,8 +413,8 @@ class ModelDrafter(Stage):
     reads = DRAFT_READS
     writes = DRAFT_WRITES
     # Sibling leaves scoring below this (the draft's own probability that the target takes them) are left
-    # out. 0: every free row gets one. In one sweep (perf/draft_sweep.py --sibling-min-score) 0.05-0.2
-    # proposed 13-88% fewer siblings for no speed gain, so the library keeps 0; a knob for experiments.
+    # out. 0: every free row gets one (a free verify row costs little; a floor saved siblings but no time in
+    # perf/draft_sweep.py --sibling-min-score), so the library keeps 0; a knob for experiments.
     sibling_min_score = 0.0
 
     def __init__(self, model, name: str = "draft", confidence_threshold: float | None = None, draft_vocab=None,

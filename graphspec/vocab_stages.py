@@ -23,11 +23,9 @@ same-vocabulary stages, unchanged.
   so a merge across the boundary does not shift the proposals) and the target verifies by exact
   match. Drafting stops at a draft special token (its meaning is model-specific).
 - ``mode="auto"`` resolves per generation: SLEM at temperature 0, TLI when sampling. SLEM accepted
-  more (or tied) on every prompt we measured: SmolLM2-135M-Instruct drafting for
-  Qwen2.5-Coder-0.5B-Instruct, 4 chat prompts (code, prose, French), 201 greedy tokens, bf16 on
-  CPU: acceptance 0.46 vs 0.34 and 2.23 vs 1.99 tokens per target forward at K=3; 0.33 vs 0.22
-  and 2.45 vs 2.07 at K=5. TLI loses where the draft's natural tokens are missing from the target's
-  vocabulary (indentation runs, word pieces): masked, the draft must spell them differently.
+  more (or tied) on every prompt measured (perf/RESULTS.md): TLI loses where the draft's natural
+  tokens are missing from the target's vocabulary (indentation runs, word pieces): masked, the draft
+  must spell them differently.
 
 - Draft trees (``siblings=n``, see ``graphspec.drafters.ModelDrafter``): the draft ranks its next-best
   tokens beside its chain with the same rule as a same-vocabulary draft and writes

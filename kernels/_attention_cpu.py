@@ -11,17 +11,13 @@ has its path's keys written into the slots after the cache of a working fp32 cop
 Why TorchScript: from Python a row took about a dozen torch calls (slices, reshapes, casts, the SDPA),
 and their per-call cost was larger than the arithmetic. Here a row is its slices and its SDPA, run
 by TorchScript's interpreter: the same kernels on the same values, so the same bits (tested against
-one-token calls, ``tests/kernels/test_attention.py``). Qwen2.5-1.5B's shapes (12 query heads, 2 kv
-heads, 265 cached keys), bf16, 2 threads, each call right after a 27 MB GEMM as in a forward,
-microseconds a layer before (three runs) -> after: 9 chain rows 458-466 -> 382, a 9-node beam tree
-611-635 -> 509, a 6-node tree 454-482 -> 413. Whole verify forwards of the 1.5B, paired: 9 chain rows
-166.8 -> 164.3 ms, the beam tree 171.2 -> 167.8, the 6-node tree 163.9 -> 161.7 (perf/RESULTS.md
-section Z).
+one-token calls, ``tests/kernels/test_attention.py``), with the interpreter's per-call cost in place of
+Python's (the timings are in perf/RESULTS.md).
 
 A batched recipe was tried first and not kept: every row split at a multiple of 16 keys into two flash
 calls batched over rows and merged by log-sum-exp, the same recipe for one-token steps. It was exact
-(it passed the same bitwise tests) and cut a 9-node beam tree to 448 us, but a one-token step then
-cost 262 us a layer against 143, and a one-token step is every token of autoregressive decoding.
+(it passed the same bitwise tests) and made verify trees cheaper, but it made the one-token step slower,
+and a one-token step is every token of autoregressive decoding.
 
 The row plan (which slots each row rewrites) depends only on the tree, so it is made once per forward
 and shared by the layers. No ``__future__`` annotations in this file: TorchScript reads them as written.

@@ -207,7 +207,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
             return cpu.ops().attend(q.contiguous(), k, v, scale, p.lengths, p.nodes)
         if T > 1:
             # Without it: torch's CPU SDPA rounds a row differently depending on how many rows it is given
-            # (measured: ~9% of bf16 rows), so each row of a verify runs as its own one-row call over exactly
+            # (for a share of bf16 rows), so each row of a verify runs as its own one-row call over exactly
             # the keys it sees (with a tree: the cache prefix, then its ancestors and itself, in order), all rows
             # in one TorchScript call (graphspec.kernels._attention_cpu).
             return _attention_cpu.attend(q, k, v, _validate(q, k, v, scale, tree), tree)

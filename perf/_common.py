@@ -1,7 +1,7 @@
 """Shared helpers for the benchmarks: machine facts, memory bandwidth, step timing, prompts, JSON.
 
 - Bandwidth is measured in the same process as the figure it is compared with (a 512 MiB fp32
-  tensor summed: bytes read / seconds), because the shared 2-core machines drift with load.
+  tensor summed: bytes read / seconds), because a shared machine's bandwidth drifts with its load.
 - Times are medians of repeated runs; the minimum is kept too (the least-disturbed run).
 - ``step_weight_bytes``: what one decode step must read: every GEMM weight, the lm_head, the
   norms (the KV cache and activations are small next to them at these lengths).

@@ -20,7 +20,7 @@ import graphspec
 def main() -> None:
     n_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     n_prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    torch.set_num_threads(1)  # see perf/RESULTS.md: 2 threads are slower on the shared 2-core machine
+    torch.set_num_threads(1)  # a second thread slows a step down where another process holds a core
     spec = json.loads((Path(__file__).parent / "prompts.json").read_text())["prompts"]
     prompts = [p.get("messages") or p["prompt"] for p in spec][:n_prompts]
     target = graphspec.load_model("qwen2.5-coder-1.5b-instruct", dtype="bfloat16")
