@@ -214,15 +214,17 @@ class StackedWeight:
 
 
 def stack(parts) -> BlockWeight | StackedWeight:
-    """``parts`` stacked along N: one BlockWeight where they share a format (their blocks concatenated), else a
-    StackedWeight."""
-    parts = list(parts)
-    if len(parts) == 1:
-        return parts[0]
-    if len({p.type for p in parts}) == 1 and len({p.shape[1] for p in parts}) == 1:
-        return BlockWeight(parts[0].type, torch.cat([p.blocks for p in parts]),
-                           (sum(p.shape[0] for p in parts), parts[0].shape[1]))
-    return StackedWeight(parts)
+    """``parts`` (BlockWeights sharing K) stacked along N: neighbours of one format become one BlockWeight (their
+    blocks concatenated); one BlockWeight where all share it, else a StackedWeight of the runs."""
+    runs: list[list[BlockWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].type == p.type:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [r[0] if len(r) == 1 else BlockWeight(r[0].type, torch.cat([p.blocks for p in r]),
+                                                   (sum(p.shape[0] for p in r), r[0].shape[1])) for r in runs]
+    return merged[0] if len(merged) == 1 else StackedWeight(merged)
 
 
 def qlinear_ref(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -44,7 +44,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_model(path, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-               backend: str | None = None, quantize: str | None = None) -> Transformer:
+               backend: str | None = None, quantize: str | None = None, weights: str | None = None) -> Transformer:
     """Load a Llama/Qwen2/Mistral checkpoint directory (or zoo name) onto ``device``.
 
     dtype: torch.float32 / bfloat16 / float16 or their names; None uses the checkpoint's.
@@ -52,7 +52,14 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     quantize: None, or "int8" for a draft model on the CPU (int8 GEMM weights, activations in
     ``dtype``; approximate: see ``Transformer``), or "int4" (the same, with the C++ forward's
     few-row layer products in 4 bits; needs AVX-512 VNNI).
+    weights: None (safetensors; a ``.gguf`` file means "gguf"), or "gguf": the GGUF file's tensors in their own
+    block formats (a ``.gguf`` path, or a zoo name: its GGUF in the cache), fp32 activations, exactly the GGUF's
+    model (``graphspec.models.gguf_weights``).
     """
+    if weights not in (None, "gguf"):
+        raise ValueError(f"weights={weights!r} is not one of None, 'gguf'")
+    if weights == "gguf" or str(path).endswith(".gguf"):
+        return _load_gguf_weights(path, dtype, device, backend, quantize)
     directory = _resolve(path)
     config = ModelConfig.from_file(directory / "config.json")
     dtype = _pick_dtype(dtype, config)
@@ -64,6 +71,29 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     tensors = read_safetensors(directory, expected_shapes(config), dtype, device)
     tokenizer = Tokenizer.from_dir(directory) if (directory / "tokenizer.json").is_file() else None
     return build(config, tensors, tokenizer=tokenizer, backend=backend, quantize=quantize)
+
+
+def _load_gguf_weights(path, dtype, device, backend, quantize) -> Transformer:
+    from graphspec.models.gguf_weights import gguf_file_for, load_gguf_model
+
+    if dtype is not None and _pick_dtype(dtype, None) != torch.float32:
+        raise ValueError(f"dtype={dtype!r}: a model in GGUF block weights computes in float32 (the blocks are "
+                         "dequantized to fp32 in the GEMMs); pass dtype=None or float32")
+    if quantize is not None:
+        raise ValueError(f"quantize={quantize!r} rounds dense weights; GGUF block weights are quantized already: "
+                         "pass quantize=None with weights='gguf'")
+    p = Path(path).expanduser()
+    if p.is_file():
+        return load_gguf_model(p, device=device, backend=backend)
+    from graphspec.models import zoo
+
+    if str(path) in zoo.ZOO:
+        return load_gguf_model(gguf_file_for(str(path)), device=device, backend=backend)
+    if p.is_dir():
+        raise ValueError(f"weights='gguf' needs a .gguf file or a zoo name, but {p} is a directory; pass the "
+                         "GGUF file it was converted from, or weights=None for its safetensors")
+    raise FileNotFoundError(f"{p} does not exist, and {str(path)!r} is not a zoo model name either "
+                            f"(zoo: {', '.join(sorted(zoo.ZOO))})")
 
 
 def _resolve(path) -> Path:

@@ -47,6 +47,7 @@ from graphspec.kernels._dispatch import use_backend
 from graphspec.kernels.attention import attention, check_tree, tree_mask
 from graphspec.kernels.cpu import int8_draft
 from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
+from graphspec.kernels.qlinear import BlockWeight, StackedWeight
 from graphspec.kernels.rmsnorm import rmsnorm
 from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
 from graphspec.kernels.silu_mul import silu_mul
@@ -85,10 +86,18 @@ class Transformer:
     """Weights of one Llama-family model plus the forward pass over them."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
-                 lm_head: torch.Tensor, tokenizer=None, backend: str | None = None, quantize: str | None = None):
+                 lm_head: torch.Tensor, tokenizer=None, backend: str | None = None, quantize: str | None = None,
+                 weights: str | None = None):
         if backend not in (None, "auto", "torch", "triton"):
             raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
         check_quantize(quantize, backend, embed.device)
+        if weights not in (None, "gguf"):
+            raise ValueError(f"weights={weights!r} is not one of None, 'gguf'")
+        if weights and quantize:
+            raise ValueError(f"quantize={quantize!r} rounds dense weights; GGUF block weights (weights='gguf') are "
+                             "quantized already: pass one of the two")
+        # "gguf": GEMM weights and the embedding are BlockWeights (models/gguf_weights.py), activations fp32
+        self.weights = weights
         self.config = config
         self.embed = embed  # [V, H]
         self.layers = layers
@@ -120,13 +129,15 @@ class Transformer:
 
     def _prepare(self, weight: torch.Tensor):
         """One GEMM weight in this model's layout: int8 when quantized, else what the kernels side prefers."""
+        if isinstance(weight, (BlockWeight, StackedWeight)):  # GGUF blocks run as they are
+            return weight
         with use_backend(self.backend):
             return quantize_weight(weight.float()) if self.quantize else prepare_weight(weight)  # int4: int8 here
 
     @property
     def dtype(self) -> torch.dtype:
         """The activations' and the KV cache's dtype: the weights' own, or fp32 for an int8 model."""
-        return torch.float32 if self.quantize else self.embed.dtype
+        return torch.float32 if self.quantize or self.weights else self.embed.dtype
 
     @property
     def device(self) -> torch.device:
@@ -173,6 +184,8 @@ class Transformer:
                              f"{tuple(getattr(ids, 'shape', ()))}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.lm_head.shape[0]:
             raise ValueError(f"ids must lie in [0, {self.lm_head.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]")
+        if isinstance(self.lm_head, BlockWeight):
+            return self.lm_head.select(ids.to(self.device))
         if self.config.tie_word_embeddings:
             full = self.embed  # the lm_head's own values
         else:
@@ -294,6 +307,11 @@ class Transformer:
                 return self._forward_int8(ids, positions, cache, rows, head, tree)
         return self._run(ids, positions, [(cache, ids.shape[1], tree)], [rows], head)[0]
 
+    def _embed(self, ids) -> torch.Tensor:
+        if isinstance(self.embed, BlockWeight):  # the rows dequantized as the GGUF defines them
+            return self.embed.rows(ids)
+        return F.embedding(ids, self.embed).to(self.dtype)
+
     def _run(self, ids, positions, segments, rows, head=None) -> list[torch.Tensor]:
         """The layers over ``ids [B, N]``: ``segments`` ``[(cache, T, tree)]`` split the N new tokens into
         sequences (one for a ``step``; several for ``step_many``, B = 1) that each attend to their own cache;
@@ -301,7 +319,7 @@ class Transformer:
         segment."""
         c = self.config
         with use_backend(self.backend), torch.no_grad():
-            x = F.embedding(ids, self.embed).to(self.dtype)  # [B, N, H]
+            x = self._embed(ids)  # [B, N, H]
             h = x
             tables = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)
             normed = rmsnorm(x, self.layers[0].input_norm, c.rms_norm_eps)

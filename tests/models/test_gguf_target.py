@@ -1,0 +1,234 @@
+"""GGUF files run in their own block formats (``load_model(..., weights="gguf")``, models/gguf_weights.py).
+
+The model computed must be exactly the GGUF's: every weight the value ``gguf.quants.dequantize`` gives, fp32
+activations and sums. So its logits match the same file converted to fp32 safetensors (``convert_gguf``) and
+transformers loading the GGUF, within the fp32 rounding of summing in another order (relative 1e-5), and greedy
+tokens are identical; its rows are bit-identical alone and inside a verify, so speculative decoding on it is
+token-identical to autoregressive decoding, and sampling follows its distribution. Tiny GGUF files are written
+here with the gguf package (every block format the kernels run, mixed within fused q/k/v); the zoo's real 0.5B
+file is one slow test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import graphspec
+from graphspec.kernels import cpu
+from graphspec.kernels.qlinear import BlockWeight, StackedWeight
+from graphspec.models import gguf as gg
+from graphspec.models import load_model
+from graphspec.models.tokenizer import byte_alphabet
+from tests.conftest import C_LEVELS
+from tests.kernels._qblocks import random_blocks
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2
+# per layer: q, k, v, o, gate, up, down (mixed inside q/k/v; gate/up share a format, so they fuse into one weight)
+LAYER_TYPES = [
+    ("Q4_K", "Q5_0", "Q6_K", "Q4_0", "Q4_1", "Q4_1", "Q6_K"),
+    ("Q8_0", "Q8_0", "F16", "Q5_1", "Q5_K", "Q5_K", "Q8_0"),
+]
+# fp16 scale size per k-quant, so that weights come out about 0.05 (random quants and sub-scales)
+_K_SCALE = {"Q4_K": 2e-4, "Q5_K": 1e-4, "Q6_K": 5e-5}
+
+
+def _tensor(w, rng, name, shape, type_name, scale=0.05):
+    # x is drawn whatever the format, so that files of one seed hold the same values in other formats
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if type_name in _K_SCALE:  # gguf-py cannot quantize k-quants: random blocks, as a quantizer could write
+        seed = int(abs(float(x[0, 0])) * 1e9) % (1 << 30)
+        w.add_tensor(name, random_blocks(type_name, shape[0], shape[1], seed=seed, scale=_K_SCALE[type_name]),
+                     raw_dtype=Q[type_name])
+    elif type_name == "Q2_K":  # a format graphspec does not run: its bytes are never read
+        w.add_tensor(name, rng.integers(0, 256, (shape[0], shape[1] // 256 * 84), dtype=np.uint8), raw_dtype=Q.Q2_K)
+    elif type_name == "F32":
+        w.add_tensor(name, x)
+    elif type_name == "F16":
+        w.add_tensor(name, x.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(x, Q[type_name]), raw_dtype=Q[type_name])
+
+
+def write_block_gguf(path: Path, arch: str = "qwen2", *, vocab: int = 40, seed: int = 0, embed: str = "Q8_0",
+                     output: str = "Q6_K", layer_types=LAYER_TYPES) -> Path:
+    """A 2-layer model (hidden 256) in the given block formats, as llama.cpp lays it out; ``vocab`` tokens."""
+    rng = np.random.default_rng(seed)
+    alphabet = byte_alphabet()
+    tokens = [alphabet[b] for b in range(ord("a"), ord("a") + vocab - 3)] + ["<|endoftext|>", "<|im_start|>",
+                                                                              "<|im_end|>"]
+    types = [1] * (vocab - 3) + [3, 3, 3]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([])
+    w.add_bos_token_id(vocab - 2)
+    w.add_eos_token_id(vocab - 1)
+    kv = KV_HEADS * HIDDEN // HEADS
+    _tensor(w, rng, "token_embd.weight", (vocab, HIDDEN), embed, 1.0)
+    for i, (tq, tk, tv, to, tg, tu, td) in enumerate(layer_types):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        _tensor(w, rng, p + "attn_q.weight", (HIDDEN, HIDDEN), tq)
+        _tensor(w, rng, p + "attn_k.weight", (kv, HIDDEN), tk)
+        _tensor(w, rng, p + "attn_v.weight", (kv, HIDDEN), tv)
+        if arch == "qwen2":
+            for n, size in (("q", HIDDEN), ("k", kv), ("v", kv)):
+                w.add_tensor(p + f"attn_{n}.bias", (0.3 * rng.standard_normal(size)).astype(np.float32))
+        _tensor(w, rng, p + "attn_output.weight", (HIDDEN, HIDDEN), to)
+        w.add_tensor(p + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        _tensor(w, rng, p + "ffn_gate.weight", (FFN, HIDDEN), tg)
+        _tensor(w, rng, p + "ffn_up.weight", (FFN, HIDDEN), tu)
+        _tensor(w, rng, p + "ffn_down.weight", (HIDDEN, FFN), td)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    if arch == "qwen2":
+        _tensor(w, rng, "output.weight", (vocab, HIDDEN), output, 0.3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """{arch: (gguf path, converted fp32 directory)}, and "draft": the qwen2 file in coarser formats."""
+    root = tmp_path_factory.mktemp("gguf_target")
+    out = {}
+    for arch in ("qwen2", "llama"):
+        path = write_block_gguf(root / f"{arch}.gguf", arch)
+        out[arch] = (path, gg.convert_gguf(path, root / f"{arch}-fp32", progress=False))
+    # the target's values in coarser blocks (its legacy formats as Q4_0; k-quants and F16 kept): a Q4 draft
+    coarse = [tuple(t if t in _K_SCALE or t == "F16" else "Q4_0" for t in layer) for layer in LAYER_TYPES]
+    out["draft"] = write_block_gguf(root / "draft.gguf", "qwen2", embed="Q4_0", layer_types=coarse)
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+IDS = torch.tensor([[1, 5, 9, 2, 33, 7, 7, 12, 30, 4, 0, 19, 25]])
+
+
+def test_weights_stay_in_their_block_formats(files):
+    path, _ = files["qwen2"]
+    model = load_model(path)  # a .gguf file: weights="gguf" is implied
+    assert model.weights == "gguf" and model.dtype == torch.float32
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    l0, l1 = model.layers
+    assert isinstance(l0.wqkv, StackedWeight) and [p.type for p in l0.wqkv.parts] == ["Q4_K", "Q5_0", "Q6_K"]
+    assert isinstance(l1.wqkv, StackedWeight) and [p.type for p in l1.wqkv.parts] == ["Q8_0", "F16"]
+    assert isinstance(l0.w13, BlockWeight) and l0.w13.type == "Q4_1" and l0.w13.shape == (2 * FFN, HIDDEN)
+    assert (l0.wo.type, l1.wo.type, l0.w2.type, l1.w2.type) == ("Q4_0", "Q5_1", "Q6_K", "Q8_0")
+    assert isinstance(model.embed, BlockWeight) and model.lm_head.type == "Q6_K"
+    assert l0.w2.nbytes == reader["blk.0.ffn_down.weight"].n_bytes  # the file's bytes, no copy in another format
+    assert torch.equal(model.lm_head.blocks.reshape(-1), torch.from_numpy(np.array(reader["output.weight"].data)).reshape(-1))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("lvl", [*C_LEVELS, "torch"])
+def test_logits_match_the_dequantized_model(files, arch, lvl):
+    path, converted = files[arch]
+    with cpu.use_level(lvl):
+        ours = load_model(path, weights="gguf")
+        ref = load_model(converted, dtype=torch.float32)
+        a, b = ours(IDS), ref(IDS)
+    assert _rel(a, b) <= 1e-5, _rel(a, b)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_logits_match_transformers_loading_the_gguf(files, arch):
+    transformers = pytest.importorskip("transformers")
+    path, _ = files[arch]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                            dtype=torch.float32)
+    with torch.no_grad():
+        want = ref(IDS).logits
+    got = load_model(path)(IDS)
+    assert _rel(got, want) <= 1e-5, _rel(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("lvl", C_LEVELS)
+def test_a_verify_gives_each_row_the_bits_of_a_decode_step(files, lvl):
+    path, _ = files["qwen2"]
+    with cpu.use_level(lvl):
+        model = load_model(path)
+        prompt, block = IDS[:, :5], IDS[:, 5:11]
+        cache = model.new_cache(64)
+        model.step(prompt, cache)
+        verify = model.step(block, cache)
+        cache = model.new_cache(64)
+        model.step(prompt, cache)
+        steps = torch.cat([model.step(block[:, i:i + 1], cache) for i in range(block.shape[1])], dim=1)
+    assert torch.equal(verify, steps)
+
+
+def _generate(pipe, n=24):
+    return pipe.run([1, 5, 9, 2, 33, 7], max_new_tokens=n, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("lvl", C_LEVELS)  # the torch level's F.linear makes no promise that rows are exact
+def test_greedy_speculation_on_a_gguf_target_equals_autoregressive(files, lvl):
+    path, _ = files["qwen2"]
+    with cpu.use_level(lvl):
+        target = load_model(path)
+        draft = load_model(files["draft"])
+        plain = _generate(graphspec.Pipeline(target))
+        for k in (1, 3, 6):
+            pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=k, draft_confidence_threshold=None)
+            out = pipe.run([1, 5, 9, 2, 33, 7], max_new_tokens=24, ignore_eos=True)
+            assert out.token_ids == plain, (lvl, k)
+            assert out.stats.target_forwards < 24  # something was accepted: the verify rows were used
+        assert _generate(graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=4)) == plain
+
+
+def test_sampling_on_a_gguf_target_follows_its_distribution(files):
+    from graphspec import SamplingParams
+    from tests.graphspec.oracle import marginal_pvalues
+
+    target, draft = load_model(files["qwen2"][0]), load_model(files["draft"])
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2, draft_confidence_threshold=None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pvalues, rate = marginal_pvalues(pipe, [1, 5, 9, 2], SamplingParams(temperature=1.0), 1500)
+    finally:
+        torch.set_num_threads(threads)
+    assert min(pvalues) > 1e-3, pvalues
+    assert 0.05 < rate < 0.99
+
+
+def test_errors_say_what_to_do(files, tmp_path):
+    path, converted = files["qwen2"]
+    with pytest.raises(ValueError, match="computes in float32"):
+        load_model(path, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantized already"):
+        load_model(path, quantize="int8")
+    with pytest.raises(ValueError, match="is a directory"):
+        load_model(converted, weights="gguf")
+    with pytest.raises(ValueError, match="not one of None, 'gguf'"):
+        load_model(path, weights="int3")
+    with pytest.raises(FileNotFoundError, match="not a zoo model"):
+        load_model(tmp_path / "missing.gguf")
+    q2 = write_block_gguf(tmp_path / "q2.gguf", layer_types=[("Q8_0",) * 7, ("Q8_0",) * 6 + ("Q2_K",)])
+    with pytest.raises(ValueError, match=r"\['Q2_K'\].*converted checkpoint"):
+        load_model(q2)
