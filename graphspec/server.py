@@ -14,7 +14,10 @@
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations (local classes) at runtime.
 import asyncio
+import contextlib
 import json
+import signal
+import threading
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -122,8 +125,9 @@ class Metrics:
     """The server's Prometheus metrics, in a registry of its own (one per app)."""
 
     def __init__(self, engine: Engine):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+        disable_created_metrics()  # no *_created series: counters read as totals
         self.registry = r = CollectorRegistry()
         self.requests = Counter("graphspec_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
@@ -242,8 +246,17 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256):
     async def _invalid(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        loc = [x for x in first.get("loc", ()) if x != "body"]
+        forms = []  # a field of several allowed types reports each ("prompt", "str"), ("prompt", "list[int]")
+        for e in errors:
+            eloc = [x for x in e.get("loc", ()) if x != "body"]
+            if eloc and len(eloc) == len(loc) and eloc[:-1] == loc[:-1] and isinstance(eloc[-1], str) and (
+                    "[" in eloc[-1] or eloc[-1] in ("str", "int", "float", "bool")):
+                forms.append(eloc[-1].split("-")[0])
+        if len(forms) > 1:
+            param = ".".join(str(x) for x in loc[:-1])
+            return _error(400, f"{param}: expected one of {', '.join(forms)}", param)
+        param = ".".join(str(x) for x in loc) or None
         if first.get("type") == "json_invalid":
             return _error(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})")
         if first.get("type") == "extra_forbidden":
@@ -425,4 +438,22 @@ def serve(pipeline, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 
         engine.policy()  # measure the cost table before the first request
     name = model_name or getattr(pipeline.target, "name", None) or "graphspec"
     app = create_app(engine, name, default_max_tokens=default_max_tokens)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # SIGINT/SIGTERM start the graceful shutdown; unlike uvicorn's own, this does not raise the
+            # signal again afterwards, so a server stopped by SIGTERM exits with status 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    _Server(config).run()
