@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 
 from graphspec.engine import FINISHED, Engine, QueueFull
 
-__all__ = ["create_app", "serve", "Metrics"]
+__all__ = ["create_app", "serve", "background", "Metrics"]
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -425,6 +425,36 @@ def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256):
         return await generate(request, req, messages, "chat", default_max_tokens, chat=True)
 
     return app
+
+
+@contextlib.contextmanager
+def background(engine: Engine, model_name: str = "graphspec", host: str = "127.0.0.1", port: int = 0, **kwargs):
+    """A server over ``engine`` in a background thread (``port=0``: a free one); yields its base URL and
+    stops it on exit. For tests and benchmarks that talk to a server from the same process."""
+    import socket
+
+    import uvicorn
+
+    app = create_app(engine, model_name, **kwargs)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            sock.close()
+            raise RuntimeError("the background server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{bound}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 def serve(pipeline, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 16, max_queue: int = 64,

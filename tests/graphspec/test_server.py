@@ -19,7 +19,6 @@ import torch
 import graphspec
 from graphspec.engine import Engine
 from tests.checkpoints import make_checkpoint
-from tests.graphspec._server import running_server
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -29,6 +28,12 @@ except ImportError:
     import httpx
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _serving(engine):
+    from graphspec.server import background
+
+    return background(engine, "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +95,7 @@ def test_concurrent_requests_get_what_pipeline_run_gives_alone(tiny, which, conc
     requests = [_request(i) for i in range(max(concurrency, 4))]
     want = [_alone(pipe, *r) for r in requests]
     engine = Engine(pipe, max_batch=concurrency, policy="off")
-    with running_server(engine) as url:
+    with _serving(engine) as url:
         client = _client(url)
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             got = list(pool.map(lambda r: _ask(client, *r), requests))
@@ -110,7 +115,7 @@ def test_concurrent_requests_get_what_pipeline_run_gives_alone(tiny, which, conc
 
 def test_streams_cancelled_midway_leave_nothing_behind(tiny):
     engine = Engine(tiny["spec"], max_batch=8, max_queue=128, policy="off")
-    with running_server(engine) as url:
+    with _serving(engine) as url:
         with httpx.Client(timeout=60) as http:
             for i in range(100):
                 body = {"model": "tiny", "prompt": PROMPTS[i % 5], "max_tokens": 300, "stream": True,
@@ -162,7 +167,7 @@ BAD = [
 
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(tiny):
     engine = Engine(tiny["plain"], max_batch=2, policy="off")
-    with running_server(engine) as url, httpx.Client(timeout=60) as http:
+    with _serving(engine) as url, httpx.Client(timeout=60) as http:
         for path, body, status, param in BAD:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             r = http.post(url + path, content=content, headers={"content-type": "application/json"})
@@ -179,7 +184,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(tiny):
         assert http.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
         assert http.get(url + "/health").json()["status"] == "ok"
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        with running_server(Engine(tiny["plain"], policy="off")) as url:
+        with _serving(Engine(tiny["plain"], policy="off")) as url:
             _client(url).completions.create(model="tiny", prompt="x", n=2)
 
 
@@ -196,7 +201,7 @@ def _metrics(url) -> dict:
 
 def test_metrics_parse_and_add_up_to_what_was_served(tiny):
     engine = Engine(tiny["spec"], max_batch=4, policy="off")
-    with running_server(engine) as url:
+    with _serving(engine) as url:
         client = _client(url)
         served = [_ask(client, *_request(i))[1] for i in range(6)]
         m = _metrics(url)
@@ -220,7 +225,7 @@ def test_metrics_parse_and_add_up_to_what_was_served(tiny):
 
 def test_a_full_queue_answers_429_at_once(tiny):
     engine = Engine(tiny["plain"], max_batch=1, max_queue=0, policy="off")
-    with running_server(engine) as url, httpx.Client(timeout=60) as http:
+    with _serving(engine) as url, httpx.Client(timeout=60) as http:
         body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
         with http.stream("POST", url + "/v1/completions", json=body) as busy:
             next(busy.iter_lines())

@@ -1,0 +1,198 @@
+"""Serving under load: N concurrent streams against graphspec's server, with and without speculation.
+
+For each configuration (``plain``: no draft; ``spec``: the draft, K every step; ``policy``: the draft with
+the speculation policy, which picks each greedy request's draft length from its acceptance and the measured
+cost of verify rows at the current batch size) a server runs in this process on 127.0.0.1, and an asyncio
+load generator (the openai client) keeps N streams in flight for N in ``--concurrency``, each request 128 new
+tokens of a held-out-style prompt (perf/prompts.json, cycled), greedy. Per N it reports output tokens per
+second over the level's wall time, time to first token and time per output token (p50, p95), acceptance and
+tokens per target forward, then whether every output equals the plain configuration's (it must: greedy).
+
+    python perf/serve_bench.py --threads 2                     # 1.5B target, 0.5B draft, N = 1 2 4 8 16
+    python perf/serve_bench.py --draft smollm2-135m-instruct --concurrency 1 4 --max-tokens 64
+
+Writes perf/results/serve_bench-<date>.json (``--out``) and a plot (``--plot``, default docs/img/serve.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf._common import DRAFT, TARGET, load_prompts, machine_info, output_path, save_json  # noqa: E402
+
+CONFIGS = ("plain", "spec", "policy")
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def _one(client, model: str, messages, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    pieces, stats, usage = [], None, None
+    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                  temperature=0.0, stream=True,
+                                                  stream_options={"include_usage": True})
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        extra = chunk.model_extra or {}
+        if extra.get("graphspec"):
+            stats = extra["graphspec"]
+        for choice in chunk.choices:
+            if choice.delta.content:
+                if first is None:
+                    first = time.perf_counter()
+                pieces.append(choice.delta.content)
+    end = time.perf_counter()
+    n = usage.completion_tokens if usage is not None else 0
+    return {"text": "".join(pieces), "tokens": n, "ttft": (first or end) - t0,
+            "tpot": (end - first) / (n - 1) if first is not None and n > 1 else None, "stats": stats or {}}
+
+
+async def _level(url: str, model: str, prompts: list, concurrency: int, requests: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    queue = list(range(requests))
+    results: dict[int, dict] = {}
+
+    async def worker():
+        while queue:
+            i = queue.pop(0)
+            results[i] = await _one(client, model, prompts[i % len(prompts)], max_tokens)
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    wall = time.perf_counter() - t0
+    out = [results[i] for i in range(requests)]
+    tokens = sum(r["tokens"] for r in out)
+    proposed = sum(r["stats"].get("proposed_draft_tokens", 0) for r in out)
+    accepted = sum(r["stats"].get("accepted_draft_tokens", 0) for r in out)
+    forwards = sum(max(r["stats"].get("target_forwards", 1) - 1, 0) for r in out)
+    ttft = [r["ttft"] for r in out]
+    tpot = [r["tpot"] for r in out if r["tpot"] is not None]
+    return {"concurrency": concurrency, "requests": requests, "seconds": wall, "output_tokens": tokens,
+            "tokens_per_second": tokens / wall, "ttft_p50": _pct(ttft, 0.5), "ttft_p95": _pct(ttft, 0.95),
+            "tpot_p50": _pct(tpot, 0.5), "tpot_p95": _pct(tpot, 0.95),
+            "acceptance": accepted / proposed if proposed else None,
+            "tokens_per_target_forward": tokens / forwards if forwards else None,
+            "texts": [r["text"] for r in out]}
+
+
+def _pipeline(config: str, target, draft, k: int):
+    import graphspec
+
+    if config == "plain":
+        return graphspec.Pipeline(target)
+    return graphspec.Pipeline(target, draft, num_speculative_tokens=k)
+
+
+def plot(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for config, levels in report["results"].items():
+        xs = [lv["concurrency"] for lv in levels]
+        a.plot(xs, [lv["tokens_per_second"] for lv in levels], marker="o", label=config)
+        b.plot(xs, [1000 * (lv["tpot_p50"] or 0) for lv in levels], marker="o", label=config)
+    for ax, title in ((a, "throughput (output tok/s)"), (b, "time per output token, p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    m = report["machine"]
+    fig.suptitle(f"graphspec serve: {report['target']} + {report['draft']}, {m.get('cpu_model', '?')}, "
+                 f"{report['threads']} thread(s), {report['dtype']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=TARGET)
+    ap.add_argument("--draft", default=DRAFT)
+    ap.add_argument("-k", type=int, default=5)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default: the concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--out", default=f"serve_bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    ap.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" / "img" / "serve.png"))
+    args = ap.parse_args(argv)
+    out = output_path(args.out)
+
+    import torch
+
+    import graphspec
+    from graphspec.engine import Engine
+    from graphspec.server import background
+
+    torch.set_num_threads(args.threads)
+    dtype = (torch.bfloat16 if args.dtype == "auto" and graphspec.kernels.cpu.bf16_linear() else
+             torch.float32 if args.dtype in ("auto", "float32") else torch.bfloat16)
+    print(f"loading {args.target} and {args.draft} ({dtype}, {args.threads} thread(s)) ...", file=sys.stderr)
+    target = graphspec.load_model(args.target, dtype=dtype)
+    draft = graphspec.load_model(args.draft, dtype=dtype, quantize="int8")
+    prompts = [p["messages"] if "messages" in p else [{"role": "user", "content": p["prompt"]}]
+               for p in load_prompts()]
+    report = {"machine": machine_info(), "target": args.target, "draft": f"{args.draft} (int8)", "k": args.k,
+              "dtype": str(dtype).replace("torch.", ""), "threads": args.threads, "max_tokens": args.max_tokens,
+              "cpu_level": graphspec.kernels.cpu.level(), "results": {}}
+    for config in args.configs:
+        pipe = _pipeline(config, target, draft, args.k)
+        engine = Engine(pipe, max_batch=max(args.concurrency), max_queue=1024,
+                        policy="auto" if config == "policy" else "off")
+        if config == "policy":
+            engine.policy()  # the cost table, measured before the clock starts
+        levels = []
+        with background(engine, "bench") as url:
+            for n in args.concurrency:
+                lv = asyncio.run(_level(url, "bench", prompts, n, args.requests or n, args.max_tokens))
+                levels.append(lv)
+                print(f"{config:>7} N={n:<3} {lv['tokens_per_second']:7.2f} tok/s  ttft p50 {lv['ttft_p50']:.2f} s  "
+                      f"tpot p50 {1000 * (lv['tpot_p50'] or 0):.0f} ms  acceptance {lv['acceptance']}  "
+                      f"tokens/forward {lv['tokens_per_target_forward']}", file=sys.stderr, flush=True)
+        report["results"][config] = levels
+    base = {lv["concurrency"]: lv for lv in report["results"].get("plain", [])}
+    for config, levels in report["results"].items():
+        for lv in levels:
+            ref = base.get(lv["concurrency"])
+            if ref is not None:
+                lv["x_plain"] = lv["tokens_per_second"] / ref["tokens_per_second"]
+                lv["same_text_as_plain"] = lv["texts"] == ref["texts"]
+    save_json(out, report)
+    if args.plot:
+        plot(report, Path(args.plot))
+    print(f"wrote {out}" + (f" and {args.plot}" if args.plot else ""), file=sys.stderr)
+    for config, levels in report["results"].items():
+        print(config, " ".join(f"N={lv['concurrency']}:{lv['tokens_per_second']:.2f}"
+                               + (f"({lv['x_plain']:.2f}x)" if "x_plain" in lv else "") for lv in levels))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
