@@ -36,8 +36,13 @@ enum QType : int64_t { F32 = 0, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q
 constexpr int64_t kBlockSize[kNumTypes] = {1, 1, 1, 32, 32, 32, 32, 32, 256, 256, 256};
 constexpr int64_t kTypeSize[kNumTypes] = {4, 2, 2, 18, 20, 22, 24, 34, 144, 176, 210};
 
-// fp16 bits -> fp32, exactly (as numpy's astype(np.float32)).
+// fp16 bits -> fp32, exactly (as numpy's astype(np.float32)): F16C where the level has it, else by the bits.
 inline float h2f(const uint8_t* p) {
+#if GS_AVX512 || GS_AVX2
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+#else
   const uint32_t h = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8);
   const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
   uint32_t bits;
@@ -57,19 +62,22 @@ inline float h2f(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+#endif
 }
 
-inline void k_scale_min(const uint8_t* s, int j, float& sc, float& mn) {
-  uint8_t a, b;
-  if (j < 4) {
-    a = s[j] & 63;
-    b = s[j + 4] & 63;
-  } else {
-    a = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    b = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+// Q4_K / Q5_K: the 8 sub-blocks' scales d * sc[j] and offsets dmin * m[j], fp32 (ggml's get_scale_min_k4).
+inline void k_scales(const uint8_t* __restrict s, float d, float dmin, float* __restrict ds, float* __restrict dm) {
+  uint8_t sc[8], mn[8];
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
   }
-  sc = static_cast<float>(a);
-  mn = static_cast<float>(b);
+  for (int j = 0; j < 8; ++j) {
+    ds[j] = d * static_cast<float>(sc[j]);
+    dm[j] = dmin * static_cast<float>(mn[j]);
+  }
 }
 
 // One weight row of K values (K / block_size blocks at `p`) -> out[K], fp32, as gguf.quants.dequantize.
@@ -136,10 +144,10 @@ void dequant_row(const uint8_t* __restrict p, int64_t k, float* __restrict out) 
       const uint8_t* sc = p + 4;
       const uint8_t* qh = p + 16;
       const uint8_t* qs = p + (T == Q4_K ? 16 : 48);
+      float dss[8], dms[8];
+      k_scales(sc, d, dmin, dss, dms);
       for (int s = 0; s < 8; ++s) {
-        float a, b;
-        k_scale_min(sc, s, a, b);
-        const float ds = d * a, dm = dmin * b;
+        const float ds = dss[s], dm = dms[s];
         const uint8_t* q = qs + (s / 2) * 32;
         const int shift = (s % 2) * 4;
         float* os = o + s * 32;
@@ -313,13 +321,13 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
       h0 = load_u8(p + 16);
       h1 = load_u8(p + 32);
     }
+    float dss[8], dms[8];
+    k_scales(sc, d, dmin, dss, dms);
     for (int i = 0; i < 4; ++i) {
       const VI r0 = load_u8(qs + 32 * i), r1 = load_u8(qs + 32 * i + 16);
       for (int half = 0; half < 2; ++half) {
         const int s = 2 * i + half;
-        float a, b;
-        k_scale_min(sc, s, a, b);
-        const float ds = d * a, dm = dmin * b;
+        const float ds = dss[s], dm = dms[s];
         VI q0 = half ? srl(r0, 4) : and_(r0, 0xF), q1 = half ? srl(r1, 4) : and_(r1, 0xF);
         if constexpr (T == Q5_K) {
           q0 = or_(q0, sll(and_(srl(h0, s), 1), 4));
@@ -334,6 +342,8 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
     const uint8_t* qh = p + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
     const float d = h2f(p + 208);
+    float ds[16];
+    for (int j = 0; j < 16; ++j) ds[j] = d * static_cast<float>(scales[j]);
     for (int h = 0; h < 2; ++h) {
       const VI hb0 = load_u8(qh + 32 * h), hb1 = load_u8(qh + 32 * h + 16);
       // groups in increasing k (each lane's sum runs in k order): group s of this half takes the low (s < 2) or
@@ -343,8 +353,8 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
         const VI l0 = load_u8(ql + 64 * h + 32 * (s % 2)), l1 = load_u8(ql + 64 * h + 32 * (s % 2) + 16);
         const VI q0 = sub(or_(t ? srl(l0, 4) : and_(l0, 0xF), sll(and_(srl(hb0, 2 * s), 3), 4)), 32);
         const VI q1 = sub(or_(t ? srl(l1, 4) : and_(l1, 0xF), sll(and_(srl(hb1, 2 * s), 3), 4)), 32);
-        chunk<M>(mul(cvt(q0), d * static_cast<float>(scales[2 * g])), x, ldx, 32 * g, acc);
-        chunk<M>(mul(cvt(q1), d * static_cast<float>(scales[2 * g + 1])), x, ldx, 32 * g + 16, acc);
+        chunk<M>(mul(cvt(q0), ds[2 * g]), x, ldx, 32 * g, acc);
+        chunk<M>(mul(cvt(q1), ds[2 * g + 1]), x, ldx, 32 * g + 16, acc);
       }
     }
   }
