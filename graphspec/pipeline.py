@@ -85,11 +85,22 @@ def build_graph(verify: Stage, drafter: Stage | None = None, acceptance: Stage |
 
 # ------------------------------------------------------------------------------------------ helpers
 
-def _load(model_or_path, what: str, dtype, device, backend, quantize=None):
+def _gguf_weights(model_or_path, weights) -> bool:
+    """Whether a model the pipeline loads keeps GGUF block weights (asked for, or a .gguf file)."""
+    return weights == "gguf" or (isinstance(model_or_path, (str, Path)) and str(model_or_path).endswith(".gguf"))
+
+
+def _load(model_or_path, what: str, dtype, device, backend, quantize=None, weights=None):
     if isinstance(model_or_path, (str, Path)):
         from graphspec.models.loader import load_model
 
-        return load_model(model_or_path, dtype=dtype, device=device or "cpu", backend=backend, quantize=quantize)
+        if _gguf_weights(model_or_path, weights):  # block weights compute in fp32 whatever the pipeline's dtype
+            dtype = None
+        return load_model(model_or_path, dtype=dtype, device=device or "cpu", backend=backend, quantize=quantize,
+                          weights=weights)
+    if weights is not None:
+        raise ValueError(f"{what}_weights={weights!r} applies when the pipeline loads the {what} (a path or zoo "
+                         f"name); this one is already loaded: load it with load_model(..., weights={weights!r})")
     if quantize is not None:
         raise ValueError(f"draft_quantize={quantize!r} applies when the pipeline loads the draft (a path or zoo "
                          f"name); this draft is already loaded: load it with load_model(..., quantize={quantize!r})")
@@ -217,6 +228,9 @@ class Pipeline:
     token it proposed falls below this (lossless: the count depends only on the draft); None: always K.
     "auto" (the default): ``DEFAULT_DRAFT_CONFIDENCE_THRESHOLD`` (0.4) for a draft with the target's
     tokenizer, ``CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD`` (0.3) for a draft with another one.
+    ``target_weights="gguf"`` / ``draft_weights="gguf"``: load that model (a .gguf file or a zoo name) in its
+    GGUF block formats as the file stores them, fp32 activations (``load_model(..., weights="gguf")``; a .gguf
+    path implies it); a GGUF draft is not quantized again.
     ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
     a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
     ``"int4"``: the same, with the draft's one- to three-token steps in 4 bits (``load_model``'s
@@ -247,7 +261,7 @@ class Pipeline:
                  sync_timing: bool | None = None,
                  draft_confidence_threshold: float | str | None = "auto",
                  draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int | str = 0,
-                 draft_beam: int = 0):
+                 draft_beam: int = 0, target_weights: str | None = None, draft_weights: str | None = None):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
         if num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} makes a verify block of "
@@ -259,7 +273,7 @@ class Pipeline:
         threshold = check_confidence_threshold(draft_confidence_threshold, allow_auto=True)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
             raise ValueError(f"vocab_mapping={vocab_mapping!r} is not one of {VOCAB_MAPPING_MODES}")
-        self.target = _load(target, "target", dtype, device, backend)
+        self.target = _load(target, "target", dtype, device, backend, weights=target_weights)
         self.vocab_mapping = vocab_mapping
         self.draft = None  # the draft model, when there is one
 
@@ -298,7 +312,8 @@ class Pipeline:
 
             drafter = SuffixDrafter()
         else:
-            self.draft = _load(draft, "draft", dtype, device or self.target.device, backend, draft_quantize)
+            self.draft = _load(draft, "draft", dtype, device or self.target.device, backend, draft_quantize,
+                               draft_weights)
             if torch.device(self.draft.device) != torch.device(self.target.device):
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")

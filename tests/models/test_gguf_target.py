@@ -232,3 +232,16 @@ def test_errors_say_what_to_do(files, tmp_path):
     q2 = write_block_gguf(tmp_path / "q2.gguf", layer_types=[("Q8_0",) * 7, ("Q8_0",) * 6 + ("Q2_K",)])
     with pytest.raises(ValueError, match=r"\['Q2_K'\].*converted checkpoint"):
         load_model(q2)
+
+
+def test_pipeline_loads_gguf_target_and_draft(files):
+    path, converted = files["qwen2"]
+    plain = _generate(graphspec.Pipeline(load_model(path)))
+    pipe = graphspec.Pipeline(str(path), draft=str(files["draft"]), num_speculative_tokens=3,
+                              target_weights="gguf", draft_weights="gguf")
+    assert pipe.target.weights == "gguf" and pipe.draft.weights == "gguf" and pipe.draft.quantize is None
+    assert _generate(pipe) == plain
+    with pytest.raises(ValueError, match="is a directory"):
+        graphspec.Pipeline(str(converted), target_weights="gguf")
+    with pytest.raises(ValueError, match="already loaded"):
+        graphspec.Pipeline(load_model(path), target_weights="gguf")
