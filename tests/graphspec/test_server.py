@@ -291,3 +291,27 @@ def test_cli_serve_refuses_bad_flags(tiny):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--target", str(tiny["dirs"][0]), "--max-batch", "0"])
     assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_real_pair_eight_concurrent_chats_equal_pipeline_run():
+    """The zoo's Qwen2.5-Coder-0.5B with the SmolLM2-135M draft (another tokenizer; int8 on the CPU), bf16
+    where the level has a bf16 linear: 8 concurrent chat requests through the server, each equal to its
+    Pipeline.run output alone. At the CPU level in force (the batched forward's row-exactness at every level
+    is test_engine's step_many test)."""
+    from graphspec.kernels import cpu
+
+    dtype = "bfloat16" if cpu.bf16_linear() else "float32"
+    target = graphspec.load_model("qwen2.5-coder-0.5b-instruct", dtype=dtype)
+    draft = graphspec.load_model("smollm2-135m-instruct", dtype=dtype, quantize="int8")
+    pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=4)
+    asks = ["Write a Python function that reverses a list.", "What is a monad? One sentence.",
+            "List three prime numbers.", "def fib(n):", "Translate 'good morning' to French.",
+            "Name a sorting algorithm and its complexity.", "What does HTTP 429 mean?", "Say hello in JSON."]
+    want = [pipe.run([{"role": "user", "content": a}], max_new_tokens=24).text for a in asks]
+    engine = Engine(pipe, max_batch=8, policy="off")
+    with _serving(engine) as url:
+        client = _client(url)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda a: _ask(client, True, a, dict(max_tokens=24, temperature=0.0))[0], asks))
+    assert got == want
