@@ -120,6 +120,11 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                    help="draft model weights: int8 (CPU only; a cheaper draft, output unchanged), int4 (int8 with the "
                         "draft's few-token steps in 4 bits: cheaper still, lower acceptance; AVX-512 VNNI) or as --dtype; "
                         "auto = int8 on a CPU")
+    p.add_argument("--weights", default="checkpoint", choices=["checkpoint", "gguf"],
+                   help="target weights: checkpoint (safetensors, in --dtype) or gguf (its GGUF file's blocks as stored: "
+                        "a zoo name's cached GGUF or a .gguf --target, which implies it; fp32 activations)")
+    p.add_argument("--draft-weights", default="checkpoint", choices=["checkpoint", "gguf"],
+                   help="draft weights, as --weights (a gguf draft is not quantized again by --draft-quantize auto)")
     p.add_argument("--draft-vocab", type=_draft_vocab, default="auto", metavar="N",
                    help="prune the draft's vocabulary to its N lowest ids plus special tokens (a cheaper draft "
                         "lm_head; output unchanged); 'none' keeps it whole; auto (the default) = 65536 for an "
@@ -240,11 +245,17 @@ def auto_dtype(device):
     return torch.float32
 
 
-def _load(path_or_name: str, what: str, dtype, device, quantize=None):
+def _gguf(path_or_name: str, weights: str) -> bool:
+    return weights == "gguf" or str(path_or_name).endswith(".gguf")
+
+
+def _load(path_or_name: str, what: str, dtype, device, quantize=None, weights: str = "checkpoint"):
     from graphspec.models.loader import load_model
 
-    try:
-        return load_model(path_or_name, dtype=dtype, device=device, quantize=quantize)
+    gguf = _gguf(path_or_name, weights)
+    try:  # GGUF blocks compute in fp32 whatever --dtype says
+        return load_model(path_or_name, dtype=None if gguf else dtype, device=device, quantize=quantize,
+                          weights="gguf" if gguf else None)
     except (OSError, ValueError, KeyError) as e:
         raise CLIError(f"--{what} {path_or_name!r}: {_message(e)}") from None
 
@@ -337,8 +348,9 @@ def _pipelines(args):
     threads = cpu_threads(args.threads)
     torch.set_num_threads(threads)
     where = f"{device}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else str(device)
-    print(f"loading {args.target} ({str(dtype).replace('torch.', '')} on {where}) ...", file=sys.stderr, flush=True)
-    target = _load(args.target, "target", dtype, device)
+    what = "GGUF blocks, fp32" if _gguf(args.target, args.weights) else str(dtype).replace("torch.", "")
+    print(f"loading {args.target} ({what} on {where}) ...", file=sys.stderr, flush=True)
+    target = _load(args.target, "target", dtype, device, weights=args.weights)
     draft = None
     if args.draft is not None:
         if args.draft in ("ngram", "suffix"):
@@ -348,10 +360,11 @@ def _pipelines(args):
             name = args.draft[:-len("+suffix")] if args.draft.endswith("+suffix") else args.draft
             if not name:
                 raise CLIError("--draft +suffix names no model: give MODEL+suffix (a zoo name or checkpoint directory)")
-            quantize = draft_quantize(args.draft_quantize, device)
+            quantize = (None if _gguf(name, args.draft_weights) and args.draft_quantize == "auto"
+                        else draft_quantize(args.draft_quantize, device))
             print(f"loading draft {name}{f' ({quantize} weights)' if quantize else ''} ...", file=sys.stderr,
                   flush=True)
-            draft = _load(name, "draft", dtype, device, quantize)
+            draft = _load(name, "draft", dtype, device, quantize, args.draft_weights)
             if name != args.draft:
                 draft = [draft, "suffix"]
     return target, draft, graphspec

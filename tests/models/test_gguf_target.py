@@ -245,3 +245,18 @@ def test_pipeline_loads_gguf_target_and_draft(files):
         graphspec.Pipeline(str(converted), target_weights="gguf")
     with pytest.raises(ValueError, match="already loaded"):
         graphspec.Pipeline(load_model(path), target_weights="gguf")
+
+
+def test_cli_runs_gguf_weights_and_rejects_requantizing_them(files, capsys):
+    from graphspec.cli import main
+
+    path, _ = files["qwen2"]
+    want = graphspec.Pipeline(load_model(path)).run("abc", max_new_tokens=8, ignore_eos=True).text
+    argv = ["run", "--target", str(path), "--draft", str(files["draft"]), "--draft-weights", "gguf", "-k", "3",
+            "--max-new-tokens", "8", "--ignore-eos", "--threads", "1", "abc"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert want in out.out and "GGUF blocks" in out.err
+    assert main(argv[:5] + ["--draft-quantize", "int8"] + argv[5:]) == 2
+    err = capsys.readouterr().err
+    assert "quantized already" in err and "Traceback" not in err
