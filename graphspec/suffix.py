@@ -54,11 +54,15 @@ __all__ = ["SuffixAutomaton", "SuffixStore", "SuffixDrafter", "HybridDrafter", "
 SEP = -1     # document separator in a store's text (never a token id)
 _NONE = -2   # "no transition" in the first-transition slot
 
-# Defaults (see docs/suffix.md for the replay that chose them).
-SUFFIX_SPEC_FACTOR = 1.0       # tokens proposed per matched token (SuffixDecoding's alpha)
+# Defaults (docs/suffix.md). spec_factor: in a replay of the 1.5B's greedy outputs on perf/workloads.json
+# (perf/workloads.py --replay, K=16) tokens per target forward rose with it (code_edit 3.43 / 3.79 / 4.06 /
+# 4.30 / 4.36 at 0.5 / 1 / 2 / 4 / 8) while draft rows a step grew faster (2.9 / 3.5 / 4.5 / 5.4 / 7.7), and
+# on the CPU a verify past about 6 rows costs more than a step; 2 sits where the rows are still nearly free.
+# min_prob 0.05-0.3 moved nothing by more than 2%.
+SUFFIX_SPEC_FACTOR = 2.0       # tokens proposed per matched token (SuffixDecoding's alpha)
 SUFFIX_MIN_PROB = 0.1          # nodes whose path continues fewer occurrences than this share are left out
 SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations are counted
-SUFFIX_STORE_TOKENS = 1 << 20  # tokens a SuffixStore keeps before evicting its oldest documents
+SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its oldest documents (about 40 MB)
 HYBRID_SWITCH = 0.7            # suffix when its calibrated score >= this x the model draft's tokens per step
 
 

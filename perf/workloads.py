@@ -1,0 +1,276 @@
+"""Suffix drafting on repetitive workloads: prompt lookup, suffix, a model draft and the hybrid, interleaved.
+
+    .venv/bin/python perf/workloads.py --threads 1                       # every workload, every method
+    .venv/bin/python perf/workloads.py --threads 1 --workloads code_edit --max-new-tokens 64
+    .venv/bin/python perf/workloads.py --replay perf/results/workloads-outputs.json   # suffix settings, no model
+    .venv/bin/python perf/workloads.py --store-cost                      # store memory and update cost
+
+Workloads (perf/workloads.json): code_edit, agentic, doc_qa, and code_chat_prose (perf/prompts.json).
+Each workload's requests run in order through one pipeline per method (so the suffix store learns
+across them, as in a server); request i runs every method before request i + 1 (order rotated),
+so load drift on a shared machine hits all methods alike. Target Qwen2.5-Coder-1.5B-Instruct
+(greedy, each request stops at EOS or --max-new-tokens; every method must give the autoregressive
+tokens); model draft Qwen2.5-Coder-0.5B-Instruct with int8 weights and the library's defaults.
+Reported per workload and method: tokens per target forward (generated tokens / verify steps) and
+x our autoregressive (its seconds / the method's, prefill included). One JSON line per workload and
+method is appended to perf/workloads.jsonl, with the machine.
+
+``--save-outputs`` keeps the autoregressive outputs; ``--replay`` feeds them to a ``SuffixDrafter`` with
+no model at all (greedy acceptance is known from the target's own output: a proposal's accepted length is
+how far it agrees with it), which is how the suffix settings were chosen. ``--store-cost`` builds a store
+over this repository's own source and docs in the target's tokens: bytes per stored token and
+microseconds per appended token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perf._common import DRAFT, PERF_DIR, TARGET, load_prompts, machine_info  # noqa: E402
+from perf.e2e import DTYPES, encode_prompts  # noqa: E402
+
+WORKLOADS_FILE = PERF_DIR / "workloads.json"
+RESULTS_FILE = PERF_DIR / "workloads.jsonl"
+METHODS = ("ar", "ngram", "suffix", "model", "hybrid")
+# K per method: prompt lookup as perf/e2e.py; the model draft as the library's default; suffix and hybrid
+# propose long trees where the match is long (a verify of 16 rows costs little more than one on the CPU).
+K = {"ngram": 4, "suffix": 16, "model": 5, "hybrid": 16}
+
+
+def load_workloads(names=None) -> dict[str, list[dict]]:
+    data = json.loads(WORKLOADS_FILE.read_text())["workloads"]
+    data["code_chat_prose"] = load_prompts()
+    if names:
+        unknown = [n for n in names if n not in data]
+        if unknown:
+            raise SystemExit(f"unknown workload(s) {unknown}; one of {sorted(data)}")
+        data = {n: data[n] for n in names}
+    return data
+
+
+def make_pipelines(target, draft, methods, ks) -> dict:
+    import graphspec
+
+    out = {}
+    for m in methods:
+        if m == "ar":
+            out[m] = graphspec.Pipeline(target)
+        elif m == "ngram":
+            out[m] = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=ks[m])
+        elif m == "suffix":
+            out[m] = graphspec.Pipeline(target, draft="suffix", num_speculative_tokens=ks[m])
+        elif m == "model":
+            out[m] = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=ks[m], draft_siblings="auto",
+                                        draft_vocab="auto")
+        elif m == "hybrid":
+            out[m] = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=ks[m],
+                                        draft_vocab="auto")
+            out[m].graph["draft"].model_k = ks["model"]
+        else:
+            raise SystemExit(f"unknown method {m!r}; one of {METHODS}")
+    return out
+
+
+def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> dict:
+    names = list(pipes)
+    runs = {n: {"tokens": 0, "steps": 0, "seconds": 0.0, "proposed": 0, "accepted": 0, "draft_forwards": 0,
+                "differ": 0} for n in names}
+    outputs = []
+    for i, ids in enumerate(prompts):
+        order = names[i % len(names):] + names[:i % len(names)]
+        got = {}
+        for n in order:
+            t0 = time.perf_counter()
+            out = pipes[n].run(ids, max_new_tokens=max_new)
+            dt = time.perf_counter() - t0
+            got[n] = out.token_ids
+            r = runs[n]
+            r["tokens"] += len(out.token_ids)
+            r["steps"] += out.stats.steps
+            r["seconds"] += dt
+            r["proposed"] += out.stats.proposed
+            r["accepted"] += out.stats.accepted
+            r["draft_forwards"] += out.stats.draft_forwards
+        ref = got.get("ar")
+        for n in names:
+            if ref is not None and got[n] != ref:
+                runs[n]["differ"] += 1
+        outputs.append({"prompt": ids, "output": ref if ref is not None else got[names[0]]})
+        log(f"    request {i + 1}/{len(prompts)}: {len(got[names[0]])} tokens; " + ", ".join(
+            f"{n} {runs[n]['tokens'] / runs[n]['seconds']:.2f} tok/s" for n in names) + " so far")
+    return {"runs": runs, "outputs": outputs}
+
+
+def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
+    ar = runs.get("ar")
+    rows = []
+    for n, r in runs.items():
+        row = {"workload": workload, "method": n, "k": K.get(n), "tokens": r["tokens"], "steps": r["steps"],
+               "tokens_per_target_forward": r["tokens"] / r["steps"] if r["steps"] else 0.0,
+               "tok_s": r["tokens"] / r["seconds"] if r["seconds"] else 0.0,
+               "x_autoregressive": (ar["seconds"] / r["seconds"]) if ar and r["seconds"] else None,
+               "acceptance": r["accepted"] / r["proposed"] if r["proposed"] else 0.0,
+               "draft_forwards": r["draft_forwards"], "prompts_differing_from_ar": r["differ"],
+               "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
+               "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"), "date": machine.get("date"),
+               "commit": machine.get("commit"), "loadavg": machine.get("loadavg")}
+        rows.append(row)
+    return rows
+
+
+def replay(path: Path, settings: list[dict], k: int) -> list[dict]:
+    """Tokens per target forward of a SuffixDrafter on saved greedy outputs, no model (see the module docstring)."""
+    from graphspec.state import RunInfo, SamplingParams, State
+    from graphspec.suffix import SuffixDrafter
+
+    data = json.loads(path.read_text())
+    results = []
+    for s in settings:
+        row = {"settings": s, "k": k, "workloads": {}}
+        for wl, reqs in data["workloads"].items():
+            drafter = SuffixDrafter(**s)
+            tokens = steps = rows = 0
+            for req in reqs:
+                prompt, out = req["prompt"], req["output"]
+                run = RunInfo(target=None, vocab_size=1 << 20, device=torch.device("cpu"),
+                              capacity=len(prompt) + len(out), prompt_len=len(prompt), num_speculative_tokens=k)
+                state = State(run)
+                state.tokens = list(prompt)
+                state.params = SamplingParams()
+                state.generator = torch.Generator()
+                drafter.begin(state)
+                done = 0
+                while done < len(out):
+                    toks, parents, _, _, _ = drafter.propose(state, min(k, len(out) - done - 1))
+                    rows += len(toks)
+                    cur, got = -1, 0
+                    for t in out[done:]:
+                        nxt = [i for i, (a, p) in enumerate(zip(toks, parents)) if p == cur and a == t]
+                        if not nxt:
+                            break
+                        cur, got = nxt[0], got + 1
+                    take = min(got + 1, len(out) - done)
+                    state.tokens.extend(out[done:done + take])
+                    done += take
+                    steps += 1
+                tokens += len(out)
+                drafter.end(state)
+            row["workloads"][wl] = (tokens / steps if steps else 0.0, rows / steps if steps else 0.0)
+        results.append(row)
+    return results
+
+
+def store_cost(tokenizer, limit: int) -> dict:
+    """Bytes per stored token and microseconds per appended token of a SuffixStore over this repository's text."""
+    from graphspec.suffix import SuffixStore
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".md", ".cpp", ".h", ".json", ".toml")
+                   and ".venv" not in p.parts and ".git" not in p.parts and p.is_file())
+    docs, total = [], 0
+    for p in files:
+        ids = tokenizer.encode(p.read_text(errors="replace"))
+        docs.append(ids)
+        total += len(ids)
+        if total >= limit:
+            break
+    store = SuffixStore(max_tokens=total + len(docs) + 1)
+    gc.collect()
+    t0 = time.perf_counter()
+    for d in docs:
+        store.add(d)
+    seconds = time.perf_counter() - t0
+    nbytes = store.automaton.nbytes()
+    return {"tokens": total, "documents": len(docs), "states": store.automaton.num_states,
+            "bytes_per_token": nbytes / total, "mb_per_1m_tokens": nbytes / total * 1e6 / 2 ** 20,
+            "update_us_per_token": seconds / total * 1e6}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", nargs="*", default=None, help="code_edit agentic doc_qa code_chat_prose")
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--k-suffix", type=int, default=K["suffix"])
+    ap.add_argument("--save-outputs", type=Path, default=None, help="write the autoregressive outputs here (JSON)")
+    ap.add_argument("--replay", type=Path, default=None, help="replay saved outputs through SuffixDrafter settings")
+    ap.add_argument("--store-cost", action="store_true", help="memory and update cost of the suffix store")
+    ap.add_argument("--no-results", action="store_true", help="do not append to perf/workloads.jsonl")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    K["suffix"] = K["hybrid"] = args.k_suffix
+    machine = machine_info()
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    log(f"# {machine.get('cpu_model')} ({machine.get('cpu_flags')}), threads {torch.get_num_threads()}, "
+        f"load {machine.get('loadavg')}")
+
+    if args.replay is not None:
+        settings = [{"spec_factor": f, "min_prob": p} for f in (0.5, 1.0, 2.0, 4.0, 8.0) for p in (0.05, 0.1, 0.3)]
+        settings += [{"spec_factor": 4.0, "min_match": m} for m in (2, 3)]
+        settings.append({"spec_factor": 4.0, "learn": False})
+        for row in replay(args.replay, settings, args.k_suffix):
+            log(f"K={row['k']} {json.dumps(row['settings'])}: tokens per forward (draft rows a step) " + ", ".join(
+                f"{w} {v:.2f} ({r:.1f})" for w, (v, r) in row["workloads"].items()))
+        return 0
+
+    from graphspec.models import load_model
+
+    if args.store_cost:
+        from graphspec.models.tokenizer import Tokenizer
+        from graphspec.models.zoo import resolve
+
+        tokenizer = Tokenizer.from_dir(resolve(TARGET))
+        for limit in (250_000, 1_000_000):
+            row = {"kind": "store_cost", **store_cost(tokenizer, limit), "cpu": machine.get("cpu_model"),
+                   "date": machine.get("date")}
+            log(json.dumps(row))
+            if not args.no_results:
+                with RESULTS_FILE.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+        return 0
+
+    dtype = DTYPES[args.dtype]
+    target = load_model(TARGET, dtype=dtype)
+    draft = load_model(DRAFT, dtype=dtype, quantize="int8") if {"model", "hybrid"} & set(args.methods) else None
+    workloads = load_workloads(args.workloads)
+    saved = {"target": TARGET, "max_new_tokens": args.max_new_tokens, "workloads": {}}
+    pipes0 = make_pipelines(target, draft, args.methods, K)
+    for p in pipes0.values():  # warm-up: first-call allocations and oneDNN primitives, kept out of the figures
+        p.run([1, 2, 3, 4], max_new_tokens=4, ignore_eos=True)
+    del pipes0
+    all_rows = []
+    for name, items in workloads.items():
+        prompts = encode_prompts(target.tokenizer, items)
+        log(f"## {name}: {len(prompts)} requests, prompts {[len(p) for p in prompts]} tokens")
+        pipes = make_pipelines(target, draft, args.methods, K)  # a fresh store per workload
+        res = run_workload(pipes, prompts, args.max_new_tokens, log)
+        saved["workloads"][name] = res["outputs"]
+        rows = report(name, res["runs"], machine, args)
+        all_rows.extend(rows)
+        for r in rows:
+            log(f"  {r['method']:7s} K={r['k']}: {r['tokens_per_target_forward']:.2f} tokens/forward, "
+                f"{r['tok_s']:.2f} tok/s, x{r['x_autoregressive'] or 0:.2f} autoregressive, "
+                f"differ {r['prompts_differing_from_ar']}")
+        if not args.no_results:
+            with RESULTS_FILE.open("a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+    if args.save_outputs is not None:
+        args.save_outputs.parent.mkdir(parents=True, exist_ok=True)
+        args.save_outputs.write_text(json.dumps(saved))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
