@@ -69,6 +69,16 @@ def _draft_siblings(text: str) -> int | str:
     return text if text == "auto" else _int_at_least(text, 0, "an integer >= 0 or 'auto'")
 
 
+_MAX_THREADS = 1024  # OpenMP allocates per thread up front: a huge count aborts the process
+
+
+def _threads(text: str) -> int:
+    v = _positive_int(text)
+    if v > _MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {_MAX_THREADS} threads, got {v}")
+    return v
+
+
 def _seed(text: str) -> int:
     try:
         v = int(text)
@@ -112,7 +122,7 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
                    help="weights and activations dtype; auto = bf16 where the device supports it, else fp32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=_threads, default=None,
                    help="CPU threads for torch (default: the cores not already busy, by the load average)")
     p.add_argument("--vocab-mapping", default="auto", choices=["auto", "tli", "slem"],
                    help="how a draft with another tokenizer is mapped to the target (default auto)")
@@ -314,7 +324,7 @@ def cpu_threads(requested: int | None) -> int:
     """Threads for the CPU path: as asked, else the cores not already busy.
 
     On a loaded machine OpenMP's barriers wait for threads the scheduler has parked: with one core
-    busy elsewhere, 2 threads ran a 1.5B step 5x slower than 1 (perf/RESULTS.md).
+    busy elsewhere, 2 threads ran a step several times slower than 1 (perf/RESULTS.md).
     """
     if requested is not None:
         return requested

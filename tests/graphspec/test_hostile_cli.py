@@ -169,6 +169,11 @@ def test_devices_other_than_cpu_and_cuda(capsys, tiny, device, fragment):
     assert "loading" not in err
 
 
+def test_a_thread_count_that_would_abort_openmp(capsys, tiny):
+    rc, out, err = _main(capsys, "run", "--target", tiny, "--threads", "1000000000", "hi")
+    assert_one_error(rc, err, "argument --threads: expected at most 1024 threads, got 1000000000")
+
+
 @pytest.mark.parametrize("seed", ["18446744073709551616", "-1", "1.5", "seven"])
 def test_seeds_outside_64_bits_are_refused_naming_the_seed(capsys, tiny, seed):
     rc, out, err = _main(capsys, "run", "--target", tiny, "--seed", seed, "hi")
