@@ -63,7 +63,12 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     directory = _resolve(path)
     config = ModelConfig.from_file(directory / "config.json")
     dtype = _pick_dtype(dtype, config)
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device; use 'cpu' or 'cuda'") from None
+    if device.type not in ("cpu", "cuda"):  # meta tensors hold no weights; other device types have no kernels here
+        raise ValueError(f"device={str(device)!r}: graphspec runs on cpu or cuda devices only")
     if backend not in (None, "auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
     check_quantize(quantize, backend, device)

@@ -186,6 +186,13 @@ def test_a_loader_error_lists_every_problem_by_name(tmp_path, tiny):
     assert "model.layers.1.mlp.up_proj.weight has dtype I32" in text
 
 
+@pytest.mark.parametrize("device, fragment", [("meta", "cpu or cuda devices only"), ("tpu", "is not a device"),
+                                              (3.5, "is not a device")])
+def test_devices_other_than_cpu_and_cuda(tiny, device, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        load_model(tiny, device=device)
+
+
 # --- KV cache and max_new_tokens --------------------------------------------------------------------------------
 
 def test_a_kv_cache_beyond_free_memory_is_refused_before_allocating(tiny, monkeypatch):
