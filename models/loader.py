@@ -58,17 +58,17 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     """
     if weights not in (None, "gguf"):
         raise ValueError(f"weights={weights!r} is not one of None, 'gguf'")
-    if weights == "gguf" or str(path).endswith(".gguf"):
-        return _load_gguf_weights(path, dtype, device, backend, quantize)
-    directory = _resolve(path)
-    config = ModelConfig.from_file(directory / "config.json")
-    dtype = _pick_dtype(dtype, config)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise ValueError(f"device={device!r} is not a device; use 'cpu' or 'cuda'") from None
     if device.type not in ("cpu", "cuda"):  # meta tensors hold no weights; other device types have no kernels here
         raise ValueError(f"device={str(device)!r}: graphspec runs on cpu or cuda devices only")
+    if weights == "gguf" or str(path).endswith(".gguf"):
+        return _load_gguf_weights(path, dtype, device, backend, quantize)
+    directory = _resolve(path)
+    config = ModelConfig.from_file(directory / "config.json")
+    dtype = _pick_dtype(dtype, config)
     if backend not in (None, "auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
     check_quantize(quantize, backend, device)
