@@ -29,9 +29,10 @@ from typing import Iterator, Sequence
 
 import torch
 
+from graphspec import defaults as _defaults
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance
-from graphspec.drafters import (AUTO_DRAFT_SIBLINGS, ModelDrafter, NgramDrafter, check_beam,
-                                check_confidence_threshold, check_siblings)
+from graphspec.drafters import (ModelDrafter, NgramDrafter, check_beam, check_confidence_threshold, check_siblings,
+                                draft_vocab_ids)
 from graphspec.graph import Graph, Stage
 from graphspec.kernels import EXACT_ROWS_MAX, use_backend
 from graphspec.kernels.sampling import check_seed, seeded_generator
@@ -49,15 +50,10 @@ VOCAB_MAPPING_MODES = ("auto", "tli", "slem", "none")
 # A verify block (the pending token and K drafts) stays within the rows the CPU kernels compute exactly as
 # one-token steps (graphspec.kernels.EXACT_ROWS_MAX), which is also the widest tree mask.
 MAX_SPECULATIVE_TOKENS = EXACT_ROWS_MAX - 1
-# A model draft stops proposing once it gives its own token less than this probability (see the README
-# for the measurements behind the values); None drafts all K every step. draft_confidence_threshold="auto"
-# takes the first for a draft that shares the target's tokenizer and the second for one that does not:
-# a draft token of a smaller vocabulary carries less text, so such a chain pays to run deeper (SmolLM2-135M
-# for Qwen2.5-Coder-1.5B, 4 prompts x 128 tokens: 2.63 target tokens a verify at 0.3 against 2.38 at 0.4,
-# for 3.41 draft forwards a step against 2.66; the 0.5B same-tokenizer draft: 3.41 either way, and 0.3
-# only adds forwards).
-DEFAULT_DRAFT_CONFIDENCE_THRESHOLD: float | None = 0.4
-CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD: float | None = 0.3
+# draft_confidence_threshold="auto": the first for a draft that shares the target's tokenizer, the second for
+# one that does not (graphspec.defaults, where every "auto" is decided).
+DEFAULT_DRAFT_CONFIDENCE_THRESHOLD: float | None = _defaults.SAME_VOCAB_CONFIDENCE
+CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD: float | None = _defaults.CROSS_VOCAB_CONFIDENCE
 
 
 @dataclass
@@ -228,23 +224,29 @@ class Pipeline:
     token it proposed falls below this (lossless: the count depends only on the draft); None: always K.
     "auto" (the default): ``DEFAULT_DRAFT_CONFIDENCE_THRESHOLD`` (0.4) for a draft with the target's
     tokenizer, ``CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD`` (0.3) for a draft with another one.
+
+    The draft settings default to "auto", the CLI's defaults, decided in ``graphspec.defaults``; pass a
+    plain value for each plain choice (``draft_quantize=None, draft_vocab=None, draft_siblings=0,
+    draft_confidence_threshold=None``). ``describe()`` (and ``print(pipe)``) says what was chosen and why.
     ``target_weights="gguf"`` / ``draft_weights="gguf"``: load that model (a .gguf file or a zoo name) in its
     GGUF block formats as the file stores them, fp32 activations (``load_model(..., weights="gguf")``; a .gguf
     path implies it); a GGUF draft is not quantized again.
     ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
     a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
     ``"int4"``: the same, with the draft's one- to three-token steps in 4 bits (``load_model``'s
-    ``quantize="int4"``; AVX-512 VNNI): cheaper draft steps, lower acceptance (perf/RESULTS.md section Q).
+    ``quantize="int4"``; AVX-512 VNNI): cheaper draft steps, lower acceptance. "auto" (the default):
+    int8 for a draft the pipeline loads on a CPU; None (as loaded) elsewhere and for a loaded draft.
     ``draft_vocab``: prune a model draft's vocabulary to its ``n`` lowest ids (plus special tokens) or to
-    given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless. "auto":
-    65536 ids for an int8 draft (the CLI's default), the whole vocabulary for any other.
+    given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless. "auto"
+    (the default): ``AUTO_DRAFT_VOCAB`` ids for an int8 draft, the whole vocabulary for any other.
     ``draft_siblings=n``: a draft tree. Besides its chain, a model draft proposes up to n alternative
     tokens as leaves beside chain tokens, where it is least sure, in the verify rows the chain left
     unused (a step still verifies at most K + 1 rows); ``TreeVerify`` checks all branches in one forward
     and ``TreeAcceptance`` keeps the longest accepted path (greedy, or recursive rejection sampling:
     lossless at every temperature). Across tokenizers, TLI maps each sibling to its one target id and
     SLEM re-tokenizes each sibling's text into a branch of target ids (``graphspec.vocab_stages``).
-    "auto": ``AUTO_DRAFT_SIBLINGS`` for a model draft (the CLI's default), a chain for prompt lookup.
+    "auto" (the default): ``AUTO_DRAFT_SIBLINGS`` for a model draft, a chain for prompt lookup, a drafter
+    stage, a hybrid draft and an acceptance rule other than rejection sampling.
     ``draft_beam=w`` (a CPU model draft, greedy runs): the draft grows its tree best first instead, each
     forward after the first expanding its w likeliest paths as w rows, and proposes its K likeliest nodes
     (``graphspec.drafters.grow_beam``; across tokenizers each leaf's text is re-tokenized for the target);
@@ -252,15 +254,14 @@ class Pipeline:
     is the path probability below which it stops growing ("auto": the drafter's own,
     ``graphspec.drafters.SAME_VOCAB_BEAM_STOP_PROBABILITY``, 0.25, for a draft with the target's tokenizer,
     ``BEAM_STOP_PROBABILITY``, 0.15, across tokenizers; None: never). Pays where extra verify rows are
-    cheap (on the AMX Xeon of the README, K=8 with w=2); sampled runs draft as without it. 0 (the
-    default): no beam.
+    cheap (AMX CPUs, with a larger K); sampled runs draft as without it. 0 (the default): no beam.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
                  max_ngram: int = 3, vocab_mapping: str = "auto", dtype=None, device=None, backend=None,
                  sync_timing: bool | None = None,
                  draft_confidence_threshold: float | str | None = "auto",
-                 draft_quantize: str | None = None, draft_vocab=None, draft_siblings: int | str = 0,
+                 draft_quantize: str | None = "auto", draft_vocab="auto", draft_siblings: int | str = "auto",
                  draft_beam: int = 0, target_weights: str | None = None, draft_weights: str | None = None):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
         if num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
@@ -289,13 +290,30 @@ class Pipeline:
             draft = draft[0]
         model_draft = not (draft is None or isinstance(draft, Stage) or (isinstance(draft, str)
                                                                          and draft in ("ngram", "suffix")))
-        if draft_quantize is not None and not model_draft:
+        if draft_quantize not in (None, "auto") and not model_draft:
             raise ValueError(f"draft_quantize={draft_quantize!r} needs a model draft (a path or zoo name), "
                              f"got draft={draft!r}")
-        if draft_vocab is not None and not model_draft:
+        if draft_vocab not in (None, "auto") and not model_draft:
             raise ValueError(f"draft_vocab needs a model draft, got draft={draft!r}")
+        choices = _defaults.DraftChoices(draft="model" if model_draft else "none" if draft is None else
+                                         "stage" if isinstance(draft, Stage) else str(draft), beam=beam)
+        if model_draft:
+            quantize = _defaults.draft_quantize(draft_quantize, device or self.target.device,
+                                                loads_draft=isinstance(draft, (str, Path)))
+            choices.quantize = quantize
+            choices.quantize_why = (("auto: int8 for a draft loaded on a CPU" if quantize else
+                                     "auto: int8 only for a draft the pipeline loads on a CPU")
+                                    if draft_quantize == "auto" else "as asked")
+        else:
+            draft_vocab = None
+        choices.siblings_why = "as asked"
         if siblings == "auto":
-            siblings = AUTO_DRAFT_SIBLINGS if model_draft else 0
+            tree_rule = acceptance in (None, "rejection") and not hybrid
+            siblings = _defaults.draft_siblings("auto", model_draft, tree_rule)
+            choices.siblings_why = ("auto: a tree for a model draft" if siblings else
+                                    "auto: a chain, the acceptance rule or hybrid drafter asked for takes no tree"
+                                    if model_draft else "auto: a chain")
+        choices.siblings = siblings
         if siblings and not model_draft:
             raise ValueError(f"draft_siblings={siblings} needs a model draft (a path, zoo name or loaded model) that "
                              f"ranks alternatives, got draft={draft!r}")
@@ -312,22 +330,37 @@ class Pipeline:
 
             drafter = SuffixDrafter()
         else:
-            self.draft = _load(draft, "draft", dtype, device or self.target.device, backend, draft_quantize,
+            self.draft = _load(draft, "draft", dtype, device or self.target.device, backend,
+                               None if _gguf_weights(draft, draft_weights) and draft_quantize == "auto" else quantize,
                                draft_weights)
+            choices.quantize = getattr(self.draft, "quantize", None)  # what its weights are, as loaded
+            if not isinstance(draft, (str, Path)):
+                choices.quantize_why = "as loaded"  # by the caller
+            elif draft_quantize == "auto" and _gguf_weights(draft, draft_weights):
+                choices.quantize_why = "auto: a GGUF draft stays in its own block formats"
             if torch.device(self.draft.device) != torch.device(self.target.device):
                 raise ValueError(f"draft is on {self.draft.device} but target is on {self.target.device}; "
                                  f"load both on one device (device=...)")
             cross = _vocab_stage(self.target, self.draft, vocab_mapping,
-                                 CROSS_VOCAB_DRAFT_CONFIDENCE_THRESHOLD if threshold == "auto" else threshold,
+                                 _defaults.confidence_threshold(threshold, cross_vocab=True),
                                  draft_vocab, siblings, beam,
                                  threshold)
+            choices.confidence = _defaults.confidence_threshold(threshold, cross_vocab=cross is not None)
+            choices.confidence_why = ("as asked" if threshold != "auto" else
+                                      "auto: a draft with another tokenizer" if cross is not None else
+                                      "auto: a draft with the target's tokenizer")
+            kept = draft_vocab_ids(self.draft, draft_vocab)
+            choices.vocab = None if kept is None else (int(kept.numel()), self.draft.config.vocab_size)
+            choices.vocab_why = (("auto: an int8 draft's head is pruned" if kept is not None else
+                                  "auto: pruned only for an int8 draft") if draft_vocab == "auto" else "as asked")
             if cross is None:
                 drafter = ModelDrafter(self.draft, draft_vocab=draft_vocab, siblings=siblings, beam=beam,
-                                       confidence_threshold=DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
-                                       if threshold == "auto" else threshold, beam_threshold=threshold)
+                                       confidence_threshold=_defaults.confidence_threshold(threshold, False),
+                                       beam_threshold=threshold)
             else:
                 drafter, mapper = cross
                 between.append(mapper)
+        self.choices = choices  # what the draft settings came to, and why (describe())
 
         verify: Stage = Verify(self.target)
         if hybrid:
@@ -430,6 +463,14 @@ class Pipeline:
 
     def __repr__(self) -> str:
         return f"Pipeline({self._graph!r}, K={self.num_speculative_tokens})"
+
+    def describe(self) -> str:
+        """What this pipeline runs: its stages, K, and each draft setting with why it was chosen."""
+        stages = " -> ".join(stage.name for stage in self._graph)
+        lines = [f"Pipeline: {stages}, K={self.num_speculative_tokens}"]
+        return "\n".join(lines + ["  " + line for line in self.choices.lines()])
+
+    __str__ = describe
 
     # ----------------------------------------------------------------------------- inputs
 

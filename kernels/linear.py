@@ -16,11 +16,10 @@
   are upcast first, because its bf16 ``dot`` is wrong.
 - The torch path is ``torch.nn.functional.linear``, except for weights made by
   ``prepare_weight``: on a CPU with oneDNN, fp32 and bf16 weights are reordered once, at load,
-  into oneDNN's blocked layout and run by ``torch.ops.mkldnn._linear_pointwise``. Measured on
-  the 2-core AVX-512 machines (perf/RESULTS.md): ``F.linear`` re-packs the weight on every
-  call and, for fp32, runs 2..8 rows on the plain layout at ~2x the cost of one row; the
-  blocked, pre-packed fp32 weight makes 5..8 rows cost about one row (a speculative verify
-  then costs about one decode step), and bf16 decode GEMMs gain 1.2-1.5x. ``prepare_weight`` is a no-op on CUDA
+  into oneDNN's blocked layout and run by ``torch.ops.mkldnn._linear_pointwise``: ``F.linear``
+  re-packs the weight on every call and, for fp32, runs a few rows on the plain layout at well over
+  the cost of one row, while the blocked, pre-packed weight makes a few rows cost about one row (so a
+  speculative verify costs about one decode step; the timings are in perf/RESULTS.md). ``prepare_weight`` is a no-op on CUDA
   and wherever Triton is requested. Products of fewer than ``MIN_ROWS`` rows on packed weights run
   as that many, and products of up to ``INVARIANT_MAX_ROWS`` rows run in blocks of the row counts
   measured to round each row as one row does: so a row comes out bit-identical inside a verify and
@@ -399,11 +398,10 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return False  # fp16 needs AVX512-FP16 / AVX-NE-CONVERT; F.linear it is
 
 
-# oneDNN picks the weight's blocking from the expected row count. fp32, measured on the
-# Qwen2.5-1.5B step (1 thread, perf/RESULTS.md): hint 1 keeps the plain [N, K] layout, where one
-# row is fastest (369 ms) but 5 / 8 rows cost 1.56x / 1.83x; hint 8 blocks the weight
-# (AB16b64a) and 5 / 8 rows cost 0.81x / 1.04x of one row (one row: 453 ms). A speculative
-# verify needs the flat curve. bf16 blocks the weight (AB16b64a2b) whatever the hint.
+# oneDNN picks the weight's blocking from the expected row count. fp32: hint 1 keeps the plain [N, K]
+# layout, where one row is fastest but each extra row costs nearly another; hint 8 blocks the weight
+# (AB16b64a), where up to 8 rows cost about one. A speculative verify needs that flat curve.
+# bf16 blocks the weight (AB16b64a2b) whatever the hint.
 _ROWS_HINT = {torch.float32: 8, torch.bfloat16: 1}
 
 
@@ -482,23 +480,20 @@ def _pointwise(x2: torch.Tensor, weight: PackedWeight, b: torch.Tensor | None) -
 
 MIN_ROWS = 4
 """Products on a packed weight with fewer rows run as this many (the last row repeated), for two
-reasons measured on the 2-core AVX-512 machines (perf/RESULTS.md). Exactness: for many weights
-(wide N like an lm_head or a fused gate/up, long K like a down projection) oneDNN runs one row on
-another kernel than 2..16 rows, and sums it in another order, while 2..16 rows agree bit for bit;
-a speculative verify runs K+1 rows and a decode step one, so without this a bf16 near-tie flips and
-speculative output drifts from autoregressive. Speed: its 1-, 2- and 3-row kernels read the weight
-slower than its 4-row one (Qwen2.5-1.5B bf16 step, 1 thread: one row 235 -> 205 ms; two rows
-250 ms vs four 168 ms; fp32 one row 461 -> 372 ms). 1 turns it off (perf/cpu_step.py --min-rows)."""
+reasons. Exactness: for many weights (wide N like an lm_head or a fused gate/up, long K like a down
+projection) oneDNN may run one row on another kernel than a few rows, and sum it in another order,
+while a few rows agree bit for bit; a speculative verify runs K+1 rows and a decode step one, so
+without this a bf16 near-tie flips and speculative output drifts from autoregressive. Speed: oneDNN's
+1-, 2- and 3-row kernels can read the weight slower than its 4-row one (perf/RESULTS.md). 1 turns it
+off (perf/cpu_step.py --min-rows)."""
 
 INVARIANT_MAX_ROWS = EXACT_ROWS_MAX
 """Products of up to this many rows on a packed weight give every row exactly the bits of its one-row
 product, whatever the row count (0 turns this off). oneDNN picks its kernel, and with it the order
 of the sums, from the row count as well as the shape and the thread count, and where that changes
-is a property of the CPU: on the AVX-512 AMD machines 2..16 rows agreed for every weight tried; on
-the AMX Xeon machines a bf16 [1536, 8960] down projection (Qwen2.5-1.5B) rounds rows differently
-from 12 rows up with 2 threads (28 with 1), a [4096, 11008] one from 8 rows up, and a K=11 verify
-(12 rows) then gave other greedy tokens than decoding one token at a time on 3 prompts of 4
-(perf/RESULTS.md). So the row counts that agree are measured, once per weight shape, dtype, layout
+is a property of the CPU (on some CPUs a wide verify of a down projection already rounds rows unlike
+one row, and greedy speculative output then drifts: perf/RESULTS.md). So the row counts that agree
+are probed, once per weight shape, dtype, layout
 and thread count (``_consistent_rows``), and a longer product of up to this many rows (a verify
 block; a short prompt) runs as equal blocks within them: exact, and reading the weight once per
 block. Longer products, and any inside ``batched_rows()`` (prefills), run whole: their rows are never

@@ -105,10 +105,10 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     assert kw("m", 300) == 300
     siblings = _draft_kw(ns("m", siblings=3))
     assert siblings == {"draft_vocab": "auto", "draft_siblings": 3}
-    assert "draft_siblings" not in _draft_kw(ns("m", siblings=0))
-    assert _draft_kw(ns("m", vocab="none")) == {"draft_siblings": "auto"}
+    assert _draft_kw(ns("m", siblings=0))["draft_siblings"] == 0  # a chain, said: Pipeline's own default is a tree
+    assert _draft_kw(ns("m", vocab="none")) == {"draft_vocab": None, "draft_siblings": "auto"}
     assert _draft_kw(ns("ngram")) == {}
-    assert _draft_kw(ns("m", vocab="none", beam=2)) == {"draft_siblings": "auto", "draft_beam": 2}
+    assert _draft_kw(ns("m", vocab="none", beam=2)) == {"draft_vocab": None, "draft_siblings": "auto", "draft_beam": 2}
     assert "draft_beam" not in _draft_kw(ns("m"))
 
 

@@ -135,7 +135,7 @@ class _CountingGreedy(graphspec.GreedyAcceptance):
 
 def test_swapping_drafter_and_rule_touches_nothing_else():
     target = ToyLM(seed=0)
-    pipe = graphspec.Pipeline(target, draft=ToyLM(seed=1), num_speculative_tokens=3)
+    pipe = graphspec.Pipeline(target, draft=ToyLM(seed=1), num_speculative_tokens=3, draft_siblings=0)  # chain stages
     verify_stage = pipe.graph["verify"]
     ref = graphspec.Pipeline(target).run([4, 5, 6], max_new_tokens=16).token_ids
     assert pipe.run([4, 5, 6], max_new_tokens=16).token_ids == ref

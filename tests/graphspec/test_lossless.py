@@ -70,7 +70,7 @@ def test_a_low_confidence_draft_stops_early():
 
     def proposed_per_step(threshold):
         pipe = graphspec.Pipeline(_target(), draft=_draft(), num_speculative_tokens=4,
-                                  draft_confidence_threshold=threshold)
+                                  draft_confidence_threshold=threshold, draft_siblings=0)  # a chain's length
         runs = [pipe.run(PROMPT, max_new_tokens=12, temperature=1.0, seed=seed, ignore_eos=True).stats
                 for seed in range(100)]
         return sum(r.proposed for r in runs) / sum(r.steps for r in runs)
@@ -151,8 +151,9 @@ class EqualityWithTargetSample(Stage):
 ], ids=["argmax-draft", "bf16-draft", "draft-ignores-temperature", "target-not-warped"])
 def test_each_pitfall_is_detected_and_the_real_stage_passes(broken, params, offset):
     target, draft = _target(), _draft(offset)
-    real = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2)
-    bad = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2)
+    # chains: the broken stages are chain stages (a drafter without draft_parents, a chain rule)
+    real = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2, draft_siblings=0)
+    bad = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2, draft_siblings=0)
     if issubclass(broken, ModelDrafter):
         bad.replace_stage("draft", broken(draft))
     else:
@@ -167,11 +168,12 @@ def test_each_pitfall_is_detected_and_the_real_stage_passes(broken, params, offs
 
 def test_equality_with_a_target_sample_is_lossless_but_accepts_less():
     target, draft = _target(), _draft()
-    eq = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2).replace_stage(
-        "accept", EqualityWithTargetSample())
+    eq = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2, draft_siblings=0).replace_stage(
+        "accept", EqualityWithTargetSample())  # a chain rule, against chain rejection sampling
     eq_p, eq_rate = _pvalues(eq, T1)
     assert min(eq_p) > 1e-3, eq_p
-    _, rs_rate = _sample_runs(graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2), T1, n=400)
+    _, rs_rate = _sample_runs(graphspec.Pipeline(target, draft=draft, num_speculative_tokens=2, draft_siblings=0),
+                              T1, n=400)
     assert eq_rate < 0.75 * rs_rate, (eq_rate, rs_rate)
 
 

@@ -24,7 +24,8 @@ def test_greedy_speculative_equals_autoregressive_for_every_k(k):
     long_prompt = [int(x) for x in torch.randint(0, V, (300,), generator=torch.Generator().manual_seed(k))]
     for prompt in ([7], long_prompt, [1, 2, 3, 1, 2, 3, 1, 2]):
         ref = _ar(target, prompt, 37).token_ids
-        same = graphspec.Pipeline(target, draft=ToyLM(table=target.table.clone()), num_speculative_tokens=k)
+        same = graphspec.Pipeline(target, draft=ToyLM(table=target.table.clone()), num_speculative_tokens=k,
+                                  draft_siblings=0)  # a chain: every proposed token is accepted
         unrelated = graphspec.Pipeline(target, draft=ToyLM(V, seed=100 + k), num_speculative_tokens=k,
                                        draft_confidence_threshold=None)
         # a draft that stops at its first unsure token (threshold 0.9): shorter drafts, same tokens
@@ -65,7 +66,8 @@ def test_stats_of_plain_decoding_and_partial_acceptance():
     assert ar.draft_forwards == 0 and ar.target_forwards == 11 and ar.accepted_per_position == []
     draft = ToyLM(table=target.table.clone())
     draft.table[:, :, 5] += 3.0  # the draft over-proposes token 5
-    s = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3).run([1, 2], max_new_tokens=40).stats
+    s = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, draft_siblings=0).run(
+        [1, 2], max_new_tokens=40).stats  # a chain: accepted positions are a prefix of the proposed ones
     assert 0 < s.acceptance_rate < 1
     assert s.accepted == sum(s.accepted_per_position) and s.proposed == sum(s.proposed_per_position)
     # a later position can only be accepted when every earlier one was

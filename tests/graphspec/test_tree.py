@@ -60,7 +60,8 @@ def test_greedy_tree_output_equals_the_target_alone(k, siblings, threshold):
 def test_siblings_raise_tokens_per_verify_on_an_uncertain_draft():
     target = _target()
     draft = _draft()
-    chain = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, draft_confidence_threshold=0.7)
+    chain = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, draft_confidence_threshold=0.7,
+                               draft_siblings=0)
     tree = _tree_pipe(target, draft, k=4, siblings=3, threshold=0.7)
     prompts = [PROMPT, [5, 9, 2], [7], [3, 3, 3, 3, 11, 4], [10, 12]]
     steps = {}
@@ -265,7 +266,8 @@ def test_the_tree_graph_reads_the_tree():
     pipe = _tree_pipe()
     assert pipe.graph.names == ["draft", "verify", "accept"]
     assert "draft_parents" in pipe.graph["verify"].reads and "draft_parents" in pipe.graph["accept"].reads
-    assert "draft_parents" not in graphspec.Pipeline(_target(), draft=_draft()).graph["verify"].reads
+    assert "draft_parents" not in graphspec.Pipeline(_target(), draft=_draft(), draft_siblings=0).graph["verify"].reads
+    assert "draft_parents" in graphspec.Pipeline(_target(), draft=_draft()).graph["verify"].reads  # "auto": a tree
 
 
 # --------------------------------------------------------------------------------- real forward

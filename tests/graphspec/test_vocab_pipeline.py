@@ -248,7 +248,7 @@ def test_greedy_scripted_draft_is_accepted_and_stays_exact(models_, mode, wrong_
     # With a beam the draft also ranks its runners-up, in rows of the same forwards: it stays on script
     # only if the drafter keeps the cached nodes of the path the target took, and drops the others.
     spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4, vocab_mapping=mode,
-                              draft_confidence_threshold=None, draft_beam=beam)
+                              draft_confidence_threshold=None, draft_beam=beam, draft_siblings=0)
     own_prompt = spec.graph["draft"].prompt_tokens(base.prompt_token_ids)
     draft.script = mapping.draft_tokens.join(own_prompt)
     for t in base.token_ids:
@@ -611,7 +611,8 @@ def test_greedy_beam_is_taken_and_the_output_stays_exact(mode):
 def test_beam_pipeline_samples_with_a_chain():
     """A beam ranks tokens rather than drawing them, so sampled runs draft a chain (still a tree verify)."""
     target, draft = _toy_pair()
-    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli", draft_beam=2)
+    pipe = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=3, vocab_mapping="tli", draft_beam=2,
+                              draft_siblings=0)  # siblings would branch a sampled chain too
     seen = []
     pipe.insert_stage(_ParentsProbe(seen), after="map")
     a = pipe.run(PROMPT, max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
