@@ -15,7 +15,10 @@
   each output in one fixed order whatever the number of rows and threads, so a row's result is
   bit-identical alone and inside a verify; at the torch level :func:`qlinear_ref`
   (dequantize, then an fp32 matmul). On CUDA (or backend="triton") the Triton kernels of
-  ``kernels/qlinear_triton.py`` run, where present.
+  :func:`qlinear_triton` runs: each program dequantizes its ``[BLOCK_N, BLOCK_K]`` weight tile in registers
+  from the blocks' bytes (the same fp32 operations, fp fusion off) and multiplies it with fp32 ``tl.dot``
+  (ieee precision), fp32 accumulation; a skinny launch (one 16-row tile over M, decode and verify) and a
+  tiled one (prefill).
 - :class:`StackedWeight` is several weights stacked along N (a fused q/k/v or gate/up whose
   parts a file stores in different formats): each part runs on its own, outputs concatenated.
 """
@@ -23,8 +26,11 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from graphspec.kernels import cpu
+from graphspec.kernels._dispatch import interpreter_enabled, use_triton
 
 __all__ = ["FORMATS", "BlockWeight", "StackedWeight", "dequantize_ref", "qlinear", "qlinear_ref"]
 
@@ -247,11 +253,7 @@ def qlinear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
         return y.reshape(*x.shape[:-1], weight.shape[0])
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
-    from graphspec.kernels._dispatch import use_triton
-
     if use_triton(x):
-        from graphspec.kernels.qlinear_triton import qlinear_triton
-
         y = qlinear_triton(x2, weight, bias)
     elif x.device.type == "cpu" and cpu.available():
         y = cpu.qops().qlinear(x2.float().contiguous(), weight.blocks, TYPE_IDS[weight.type], weight.shape[0], k,
@@ -266,3 +268,160 @@ def bytes_per_weight(type_name: str) -> float:
     size, nbytes = FORMATS[type_name]
     return nbytes / size
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: weight-only block GEMMs (dequantize in the kernel, fp32 accumulation)
+
+
+@triton.jit
+def _tl_u8(ptr, off, mask):
+    return tl.load(ptr + off, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _tl_f16(ptr, off, mask):
+    bits = _tl_u8(ptr, off, mask) | (_tl_u8(ptr, off + 1, mask) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _dequant_tile(w_ptr, rows, ks, row_bytes, mask, TYPE: tl.constexpr):
+    """fp32 weights [BLOCK_N, BLOCK_K] of rows ``rows`` and columns ``ks``, as gguf.quants.dequantize computes them.
+
+    TYPE is ``TYPE_IDS``' number; each element finds its block (k // block size) and its bytes in it.
+    """
+    if TYPE == 0:  # F32
+        base = rows[:, None] * row_bytes + ks[None, :] * 4
+        bits = (_tl_u8(w_ptr, base, mask) | (_tl_u8(w_ptr, base + 1, mask) << 8) | (_tl_u8(w_ptr, base + 2, mask) << 16)
+                | (_tl_u8(w_ptr, base + 3, mask) << 24))
+        w = bits.to(tl.float32, bitcast=True)
+    elif TYPE == 1:  # F16
+        w = _tl_f16(w_ptr, rows[:, None] * row_bytes + ks[None, :] * 2, mask)
+    elif TYPE == 2:  # BF16
+        base = rows[:, None] * row_bytes + ks[None, :] * 2
+        w = ((_tl_u8(w_ptr, base, mask) | (_tl_u8(w_ptr, base + 1, mask) << 8)) << 16).to(tl.float32, bitcast=True)
+    elif TYPE <= 7:  # blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+        TS: tl.constexpr = 18 if TYPE == 3 else 20 if TYPE == 4 else 22 if TYPE == 5 else 24 if TYPE == 6 else 34
+        base = rows[:, None] * row_bytes + (ks // 32)[None, :] * TS
+        j = (ks % 32)[None, :]
+        d = _tl_f16(w_ptr, base, mask)
+        if TYPE == 7:  # Q8_0: int8 quants times d
+            w = _tl_u8(w_ptr, base + 2 + j, mask).to(tl.int8).to(tl.float32) * d
+        else:
+            QS: tl.constexpr = 2 if TYPE == 3 else 4 if TYPE == 4 else 6 if TYPE == 5 else 8
+            q = (_tl_u8(w_ptr, base + QS + j % 16, mask) >> ((j // 16) * 4)) & 0xF
+            if TYPE == 5 or TYPE == 6:  # the fifth bit, bit j of the little-endian qh word
+                QH: tl.constexpr = 2 if TYPE == 5 else 4
+                q = q | (((_tl_u8(w_ptr, base + QH + j // 8, mask) >> (j % 8)) & 1) << 4)
+            if TYPE == 3:
+                w = d * (q - 8).to(tl.float32)
+            elif TYPE == 5:
+                w = d * (q - 16).to(tl.float32)
+            else:  # Q4_1, Q5_1: d * q + m
+                w = d * q.to(tl.float32) + _tl_f16(w_ptr, base + 2, mask)
+    elif TYPE <= 9:  # Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins
+        TS: tl.constexpr = 144 if TYPE == 8 else 176
+        base = rows[:, None] * row_bytes + (ks // 256)[None, :] * TS
+        j = (ks % 256)[None, :]
+        s = j // 32
+        t = s % 4
+        a = _tl_u8(w_ptr, base + 4 + t, mask)
+        b = _tl_u8(w_ptr, base + 8 + t, mask)
+        c = _tl_u8(w_ptr, base + 12 + t, mask)
+        sc = tl.where(s < 4, a & 63, (c & 0xF) | ((a >> 6) << 4))
+        mn = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+        QS: tl.constexpr = 16 if TYPE == 8 else 48
+        q = (_tl_u8(w_ptr, base + QS + (s // 2) * 32 + j % 32, mask) >> ((s % 2) * 4)) & 0xF
+        if TYPE == 9:
+            q = q | (((_tl_u8(w_ptr, base + 16 + j % 32, mask) >> s) & 1) << 4)
+        ds = _tl_f16(w_ptr, base, mask) * sc.to(tl.float32)
+        dm = _tl_f16(w_ptr, base + 2, mask) * mn.to(tl.float32)
+        w = ds * q.to(tl.float32) - dm
+    else:  # Q6_K: ql[128], qh[64], int8 scales[16], d
+        base = rows[:, None] * row_bytes + (ks // 256)[None, :] * 210
+        j = (ks % 256)[None, :]
+        g = j // 32
+        h = g // 4
+        s = g % 4
+        ql = (_tl_u8(w_ptr, base + 64 * h + 32 * (s % 2) + j % 32, mask) >> ((s // 2) * 4)) & 0xF
+        qh = (_tl_u8(w_ptr, base + 128 + 32 * h + j % 32, mask) >> (2 * s)) & 3
+        scale = _tl_u8(w_ptr, base + 192 + j // 16, mask).to(tl.int8).to(tl.float32)
+        ds = _tl_f16(w_ptr, base + 208, mask) * scale
+        w = ds * ((ql | (qh << 4)) - 32).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _qlinear_kernel(
+    x_ptr,  # [M, K] fp32
+    w_ptr,  # [N, row_bytes] uint8: the GGUF blocks
+    b_ptr,  # [N] fp32 (only read when HAS_BIAS)
+    y_ptr,  # [M, N] fp32, contiguous
+    stride_xm, stride_xk,
+    M, N, K, row_bytes,
+    TYPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]), w dequantized per tile; grid (cdiv(M, BM), cdiv(N, BN))."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _dequant_tile(w_ptr, rows, ks, row_bytes, n_mask[:, None] & k_mask[None, :], TYPE)  # [BN, BK]
+        w = tl.where(n_mask[:, None] & k_mask[None, :], w, 0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee", out_dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(y, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+SKINNY_MAX_M = 16
+"""Up to this many rows (decode, verify) one 16-row tile spans M and programs split N only."""
+
+_INTERPRET = interpreter_enabled()
+
+
+def _qconfig(m: int) -> dict:
+    if m <= SKINNY_MAX_M:  # weight-read bound: small N tiles, long K tiles, many programs
+        return {"BLOCK_M": 16, "BLOCK_N": 32 if not _INTERPRET else 64, "BLOCK_K": 128 if not _INTERPRET else 64,
+                "num_warps": 4}
+    return {"BLOCK_M": 64 if not _INTERPRET else 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
+
+
+def qlinear_triton(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launcher: ``x [M, K]`` fp32 times a BlockWeight on x's device; fp32 ``[M, N]``."""
+    if weight.blocks.device != x.device:
+        raise ValueError(f"the BlockWeight is on {weight.blocks.device} but x is on {x.device}")
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).float()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = _qconfig(m)
+    has_bias = bias is not None
+    b = bias.float().contiguous() if has_bias else y
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    extra = {} if _INTERPRET else {"enable_fp_fusion": False}  # no fused multiply-adds in the dequantization
+    _qlinear_kernel[grid](
+        x2, weight.blocks, b, y,
+        x2.stride(0), x2.stride(1),
+        m, n, k, weight.blocks.shape[1],
+        TYPE=TYPE_IDS[weight.type], HAS_BIAS=has_bias,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], **extra,
+    )
+    return y

@@ -15,7 +15,8 @@ Sections, each bounded by what is left of ``--budget-s`` (default 420 s):
    (``GRAPHSPEC_TEST_DEVICE=cuda``, read by tests/conftest.py): every Triton kernel compiled
    and compared with its torch reference. JUnit XML in $OUT.
 3. Kernel speed (perf/kernel_cases.py): triton vs torch (cuBLAS ``F.linear``, SDPA, the torch
-   references), TFLOP/s and GB/s, the GB/s next to the device copy bandwidth measured here.
+   references), TFLOP/s and GB/s, the GB/s next to the device copy bandwidth measured here; and the
+   GGUF block GEMMs (Q4_K, Q6_K, Q8_0, Q5_0) against ``F.linear`` on the same weights in bf16.
 4. End to end in bf16 with the real Qwen2.5-Coder-0.5B / 1.5B and SmolLM2-135M configs (random
    weights): one-token step, verify of K+1 tokens for K = 1..8, draft step, autoregressive
    tokens/s, speculative tokens/s with a draft identical to the target (acceptance 1: the
@@ -217,6 +218,38 @@ def kernel_speed(log, result, device, dry: bool, deadline: float):
     result["kernels"] = rows
 
 
+def qlinear_speed(log, result, device, dry: bool, deadline: float):
+    """GGUF block GEMMs (kernels/qlinear.py, Triton) against cuBLAS on the same weights dequantized to bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    from graphspec.kernels.qlinear import BlockWeight, qlinear_triton
+    from tests.kernels._qblocks import random_blocks
+
+    section(log, "GGUF block GEMMs (triton) vs F.linear on the dequantized weight in bf16")
+    n, k = (256, 512) if dry else (8960, 1536)  # the 1.5B's gate/up projection
+    rows = []
+    for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):
+        w = BlockWeight(type_name, torch.from_numpy(random_blocks(type_name, n, k)).to(device), (n, k))
+        dense = w.dense().bfloat16()
+        for m in (1, 8, 32 if dry else 512):
+            if time.time() > deadline:
+                log("(time budget reached: later block GEMM cases skipped)")
+                result["qlinear"] = rows
+                return
+            x = torch.randn(m, k, device=device)
+            xb = x.bfloat16()
+            t_q = bench(lambda: qlinear_triton(x, w), device)
+            t_b = bench(lambda: F.linear(xb, dense), device)
+            row = {"case": f"qlinear {type_name} M={m} N={n} K={k}", "triton_ms": t_q * 1e3,
+                   "bf16_linear_ms": t_b * 1e3, "block_gbps": w.nbytes / t_q / 1e9,
+                   "tflops": 2.0 * m * n * k / t_q / 1e12}
+            rows.append(row)
+            log(f"  {row['case']:40s} triton {row['triton_ms']:8.3f} ms ({row['block_gbps']:.0f} GB/s of blocks, "
+                f"{row['tflops']:.1f} TFLOP/s)  bf16 F.linear {row['bf16_linear_ms']:8.3f} ms")
+    result["qlinear"] = rows
+
+
 # --------------------------------------------------------------------------------------------- 4. end to end
 
 
@@ -387,6 +420,7 @@ def main(argv=None) -> int:
         ("kernel_tests", lambda: None if args.skip_tests else kernel_tests(
             log, result, out, min(args.tests_s, deadline - time.time() - 150), args.dry_run)),
         ("kernel_speed", lambda: kernel_speed(log, result, device, args.dry_run, deadline - 120)),
+        ("qlinear_speed", lambda: qlinear_speed(log, result, device, args.dry_run, deadline - 100)),
         ("e2e", lambda: e2e(log, result, device, args.dry_run, deadline - 20)),
     ]
     for name, fn in steps:

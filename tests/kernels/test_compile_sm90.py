@@ -67,6 +67,23 @@ def _specs():
                       {"part_ptr": "*fp32", "b_ptr": p, "y_ptr": p, "stride_b": "i64", "MN": "i32", "N": "i32",
                        "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"},
                       {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024}, {}))
+    specs.extend(_qlinear_specs())
+    return specs
+
+
+def _qlinear_specs():
+    """The GGUF block GEMM (kernels/qlinear.py): every format at the skinny launch, the k-quants at the tiled one."""
+    q = importlib.import_module("graphspec.kernels.qlinear")
+    sig = {"x_ptr": "*fp32", "w_ptr": "*u8", "b_ptr": "*fp32", "y_ptr": "*fp32", "stride_xm": "i64",
+           "stride_xk": "i64", "M": "i32", "N": "i32", "K": "i32", "row_bytes": "i32", "TYPE": "constexpr",
+           "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    specs = []
+    for name, tid in q.TYPE_IDS.items():
+        for m in (1, 64) if name in ("Q4_K", "Q5_K", "Q6_K") else (1,):
+            cfg = dict(q._qconfig(m))
+            warps = cfg.pop("num_warps")
+            specs.append((f"qlinear {name} {'skinny' if m == 1 else 'tiled'} {cfg}", q._qlinear_kernel, sig,
+                          {"TYPE": tid, "HAS_BIAS": True, **cfg}, {"num_warps": warps, "enable_fp_fusion": False}))
     return specs
 
 

@@ -91,8 +91,8 @@ def test_stack_concatenates_one_format_and_keeps_mixed_ones_apart():
     assert isinstance(same, BlockWeight) and torch.equal(same.dense(), torch.cat([a.dense(), b.dense()]))
     mixed = stack([a, c, b])
     assert isinstance(mixed, StackedWeight) and mixed.shape == (10, 64)
-    x = torch.randn(3, 64)
-    bias = torch.randn(10)
+    x = torch.randn(3, 64, device="cpu")
+    bias = torch.randn(10, device="cpu")
     with cpu.use_level("torch"):
         y = linear(x, mixed, bias)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, mixed.dense(), bias), rtol=1e-5, atol=1e-5)
@@ -100,12 +100,63 @@ def test_stack_concatenates_one_format_and_keeps_mixed_ones_apart():
 
 def test_linear_dispatches_block_weights_and_checks_inputs():
     w = BlockWeight("Q6_K", torch.from_numpy(random_blocks("Q6_K", 7, 256)), (7, 256))
-    x = torch.randn(2, 3, 256)
+    x = torch.randn(2, 3, 256, device="cpu")
     with cpu.use_level("torch"):
         assert torch.equal(linear(x, w), qlinear_ref(x, w))
     with pytest.raises(ValueError, match="fp32 activations"):
         linear(x.bfloat16(), w)
     with pytest.raises(ValueError, match="K must match"):
-        linear(torch.randn(2, 128), w)
+        linear(torch.randn(2, 128, device="cpu"), w)
     with pytest.raises(ValueError, match="bias has 3 elements"):
-        linear(torch.randn(2, 256), w, torch.randn(3))
+        linear(torch.randn(2, 256, device="cpu"), w, torch.randn(3, device="cpu"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton (under TRITON_INTERPRET=1 here; compiled for sm_90 in test_compile_sm90.py)
+
+from graphspec.kernels.qlinear import SKINNY_MAX_M, qlinear_triton  # noqa: E402
+
+DEVICE = torch.empty(0).device  # cuda under perf/gpu_check.py (GRAPHSPEC_TEST_DEVICE), else the interpreter's cpu
+
+
+def _bw(type_name: str, n: int, k: int, seed: int = 0) -> BlockWeight:
+    return BlockWeight(type_name, torch.from_numpy(random_blocks(type_name, n, k, seed=seed)).to(DEVICE), (n, k))
+
+
+def _k(type_name: str, blocks: int) -> int:
+    return max(FORMATS[type_name][0], 32) * blocks
+
+
+@pytest.mark.parametrize("type_name", list(FORMATS))
+@pytest.mark.parametrize("m", [1, 5, SKINNY_MAX_M, 33])  # skinny launches, then the tiled one
+def test_triton_qlinear_matches_the_reference(type_name, m):
+    n, k = 37, _k(type_name, 3) + (13 if FORMATS[type_name][0] == 1 else 0)  # float tensors: a ragged K
+    w = _bw(type_name, n, k, seed=m)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    y = qlinear_triton(x, w, bias)
+    ref = qlinear_ref(x, w, bias)
+    bound = 1e-5 * (x.abs().double() @ w.dense().abs().double().t())
+    err = (y.double() - ref.double()).abs()
+    assert (err <= bound).all(), f"{type_name} m={m}: worst {float((err / bound).max()):.2f}x the bound"
+
+
+@pytest.mark.parametrize("type_name", list(FORMATS))
+def test_triton_dequantizes_each_weight_exactly(type_name):
+    # x = identity: each output is one weight times 1 plus zeros, so y^T is the kernel's dequantized weight
+    n, k = 21, _k(type_name, 1)
+    w = _bw(type_name, n, k, seed=5)
+    eye = torch.eye(k)
+    for rows in (eye[:SKINNY_MAX_M], eye):
+        got = qlinear_triton(rows, w).t()
+        assert torch.equal(got, w.dense()[:, :rows.shape[0]]), type_name
+
+
+def test_linear_runs_block_weights_through_triton_when_asked():
+    from graphspec.kernels import use_backend
+
+    w = _bw("Q5_K", 9, 256)
+    x = torch.randn(2, 256)
+    with use_backend("triton"):
+        y = linear(x, w)
+    assert torch.equal(y, qlinear_triton(x, w))

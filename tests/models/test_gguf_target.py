@@ -260,3 +260,11 @@ def test_cli_runs_gguf_weights_and_rejects_requantizing_them(files, capsys):
     assert main(argv[:5] + ["--draft-quantize", "int8"] + argv[5:]) == 2
     err = capsys.readouterr().err
     assert "quantized already" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # not a real checkpoint, but the interpreted Triton forward takes about a minute
+def test_triton_backend_computes_the_same_model(files):
+    path, converted = files["qwen2"]
+    ref = load_model(converted, dtype=torch.float32)(IDS[:, :6])
+    got = load_model(path, backend="triton")(IDS[:, :6])  # the Triton block GEMMs (interpreted here)
+    assert _rel(got, ref) <= 1e-5, _rel(got, ref)

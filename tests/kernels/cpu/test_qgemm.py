@@ -37,8 +37,8 @@ def _bound(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
 def test_qgemm_matches_the_dequantized_matmul(level, type_name, m):
     n, k = 37, _k(type_name, 3)
     w = _weight(type_name, n, k, seed=m)
-    x = torch.randn(m, k)
-    bias = torch.randn(n)
+    x = torch.randn(m, k, device="cpu")
+    bias = torch.randn(n, device="cpu")
     y = qlinear(x, w, bias)
     ref = qlinear_ref(x, w, bias)
     err = (y.double() - ref.double()).abs()
@@ -50,7 +50,7 @@ def test_qgemm_matches_the_dequantized_matmul(level, type_name, m):
 def test_qgemm_float_tensors_take_any_k(level, type_name):
     n, k = 5, 45  # no multiple of the 16 lanes
     w = _weight(type_name, n, k)
-    x = torch.randn(3, k)
+    x = torch.randn(3, k, device="cpu")
     err = (qlinear(x, w).double() - qlinear_ref(x, w).double()).abs()
     assert (err <= _bound(x, w)).all()
 
@@ -59,7 +59,7 @@ def test_qgemm_float_tensors_take_any_k(level, type_name):
 def test_qgemm_rows_are_exact_whatever_the_row_count_and_threads(level, type_name):
     n, k = 29, _k(type_name, 2)
     w = _weight(type_name, n, k)
-    x = torch.randn(13, k)
+    x = torch.randn(13, k, device="cpu")
     alone = torch.cat([qlinear(x[i:i + 1], w) for i in range(13)])
     for m in range(1, 9):
         for start in (0, 13 - m):
@@ -79,7 +79,7 @@ def test_qgemm_rows_are_exact_whatever_the_row_count_and_threads(level, type_nam
 def test_qgemm_avx512_and_avx2_give_the_same_bits(type_name):
     n, k = 19, _k(type_name, 2)
     w = _weight(type_name, n, k)
-    x = torch.randn(11, k)
+    x = torch.randn(11, k, device="cpu")
     for m in (1, 4, 11):
         got = [cpu.qops(lv).qlinear(x[:m].contiguous(), w.blocks, TYPE_IDS[type_name], n, k, None)
                for lv in ("avx512", "avx2")]
@@ -88,7 +88,7 @@ def test_qgemm_avx512_and_avx2_give_the_same_bits(type_name):
 
 def test_qgemm_through_linear_and_its_checks(level):
     w = _weight("Q4_K", 7, 256)
-    x = torch.randn(2, 3, 256)
+    x = torch.randn(2, 3, 256, device="cpu")
     y = linear(x, w)
     assert y.shape == (2, 3, 7)
     assert torch.equal(y.reshape(6, 7), qlinear(x.reshape(6, 256), w))
