@@ -454,12 +454,13 @@ class Engine:
         return self._policy
 
     def _draft_sequential(self) -> bool:
-        """Whether the draft's forwards run one sequence at a time (an int8 draft's C++ forward is per cache)."""
+        """Whether the draft's forwards run one sequence at a time (see ``Transformer.step_many``)."""
         from graphspec.kernels import cpu
 
         d = self.pipeline.draft
-        return bool(d is not None and getattr(d, "quantize", None) and getattr(d, "lean_int8_forward", False)
-                    and cpu.available())
+        quantize = getattr(d, "quantize", None)
+        return d is not None and (not hasattr(d, "step_many") or quantize == "int4" or (
+            bool(quantize) and not (getattr(d, "lean_int8_forward", False) and cpu.available())))
 
     def _budget(self, stats, k: int) -> int:
         params = getattr(self._local, "params", None)

@@ -219,11 +219,15 @@ class Transformer:
 
         Each request's logits are the bits its own ``step`` call gives wherever the GEMMs are row-exact (blocks
         of up to ``EXACT_ROWS_MAX`` rows on the CPU: keep the rows of all requests within that). An int8 model
-        with its C++ forward runs the requests one after another (that forward is per cache).
+        takes its C++ forward for several sequences at once; an int4 one runs them one after another (its GEMM
+        depends on the row count).
         """
         if not requests:
             return []
-        if len(requests) == 1 or (self.quantize and self.lean_int8_forward and cpu.available()):
+        # One at a time: int4 picks its GEMM by the row count, and an int8 model off the C++ levels runs
+        # int8_linear_ref, whose torch matmul is not row-exact.
+        if len(requests) == 1 or self.quantize == "int4" or (
+                self.quantize and not (self.lean_int8_forward and cpu.available())):
             return [self.step(**r) for r in requests]
         ids, pos, segments, rows = [], [], [], []
         head = requests[0].get("head")
@@ -242,7 +246,11 @@ class Transformer:
             pos.append(t_pos)
             segments.append((r["cache"], t_ids.shape[1], r.get("tree")))
             rows.append(self._rows(r.get("logits_for", "all"), t_ids.shape[1]))
-        logits = self._run(torch.cat(ids, dim=1), torch.cat(pos, dim=1), segments, rows, head)
+        if self.quantize and self.lean_int8_forward and cpu.available():
+            with torch.no_grad():
+                logits = self._forward_int8_many(ids, pos, segments, rows, head)
+        else:
+            logits = self._run(torch.cat(ids, dim=1), torch.cat(pos, dim=1), segments, rows, head)
         for cache, t, _ in segments:
             cache.advance(t)
         return logits
@@ -388,6 +396,31 @@ class Transformer:
         h = F.embedding(ids, self.embed).float()  # [B, T, H]
         return int8_draft.draft_for(self).forward(h, cos.contiguous(), sin.contiguous(), cache.length, cache.k,
                                                   cache.v, head_w, rows, mask)
+
+    def _forward_int8_many(self, ids, positions, segments, rows, head) -> list[torch.Tensor]:
+        """``_forward_int8`` for several sequences in one C++ forward (``Int8Draft.forward_many``): the GEMMs over
+        every sequence's rows, attention per sequence; each sequence's logits are its own forward's bits."""
+        device = self.device
+        cos, sin = rope_tables(torch.cat(positions, dim=1), self.inv_freq, self.rope_attention_scaling)
+        masks, picked, counts, start = [], [], [], 0
+        for (cache, t, tree), r in zip(segments, rows):
+            if tree is None:
+                masks.append(torch.empty(0, dtype=torch.bool))
+            else:
+                check_tree(tree, t, cache.length + t, device)
+                masks.append(tree_mask(tree, cache.length + t))
+            r = torch.arange(t, device=device) if r is None else r
+            picked.append(r + start)
+            counts.append(r.numel())
+            start += t
+        head_w = (self.lm_head if head is None else head).native()
+        h = F.embedding(torch.cat(ids, dim=1)[0], self.embed).float()  # [N, H]
+        kc = [k for cache, _, _ in segments for k in cache.k]
+        vc = [v for cache, _, _ in segments for v in cache.v]
+        out = int8_draft.draft_for(self).forward_many(
+            h, cos.contiguous(), sin.contiguous(), [cache.length for cache, _, _ in segments],
+            [t for _, t, _ in segments], kc, vc, head_w, torch.cat(picked), masks)  # [n, V]
+        return [x.unsqueeze(0) for x in out.split(counts)]
 
     def _mlp(self, layer: Layer, x) -> torch.Tensor:
         gate, up = linear(x, layer.w13).chunk(2, dim=-1)

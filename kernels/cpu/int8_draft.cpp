@@ -5,7 +5,8 @@
 // paying dispatch, allocation and set-up for a few hundred floats. Here those are plain loops over the rows in
 // place, around graphspec's own int8 GEMM (int8_gemm.h) at this file's level.
 //
-// Scope: any batch B with one cache start for all rows, any number of new tokens T; attention over the cache
+// Scope: any batch B with one cache start for all rows, or several sequences with caches, starts and row counts
+// of their own (forward_many: the batched engine), any number of new tokens T; attention over the cache
 // causal (row t sees slots 0 .. start + t) or through a mask [T, start + T] (a draft tree: the row's cached
 // prefix, its ancestors and itself); rope from the caller's cos / signed-sin tables, so any positions. The
 // result is a draft's: fp32 sums in another order than torch's and an exp polynomial (relative error < 3e-7),
@@ -232,60 +233,69 @@ struct Int8Draft : torch::CustomClassHolder {
     }
   }
 
-  // h [B, T, H] fp32 embeddings of the new tokens; cos, sin [B, T, 1, D] (sin signed: rope_tables); caches
-  // [B, capacity, hk, D] fp32, slots start .. start+T-1 written here; head: the lm_head (or a pruned one);
-  // rows: the rows of each sequence whose logits are wanted (None: all); mask: None (causal) or bool
-  // [T, start + T], row t attending to slot s where mask[t, s]. Returns logits [B, n, V] fp32.
-  at::Tensor forward(at::Tensor h_in, at::Tensor cos_t, at::Tensor sin_t, int64_t start, std::vector<at::Tensor> kc,
-                     std::vector<at::Tensor> vc, Linear head, c10::optional<at::Tensor> rows,
-                     c10::optional<at::Tensor> mask) {
-    const int64_t H = hidden, D = d, half = D / 2, L = num_layers();
-    TORCH_CHECK(h_in.dim() == 3 && h_in.size(2) == H && h_in.size(0) >= 1, "int8_native: h must be [B, T, ", H,
-                "], got ", h_in.sizes());
-    const int64_t B = h_in.size(0), T = h_in.size(1), BT = B * T;
-    TORCH_CHECK(T >= 1, "int8_native: no tokens to run");
-    check_float(cos_t, "cos");
-    check_float(sin_t, "sin");
-    TORCH_CHECK(cos_t.numel() == BT * D && sin_t.numel() == BT * D, "int8_native: cos and sin must hold [B, T, ", D,
-                "] values for B=", B, ", T=", T, ", got ", cos_t.sizes(), " and ", sin_t.sizes());
-    TORCH_CHECK(static_cast<int64_t>(kc.size()) == L && static_cast<int64_t>(vc.size()) == L, "int8_native: ", L,
-                " layers but ", kc.size(), " key and ", vc.size(), " value caches");
-    TORCH_CHECK(start >= 0, "int8_native: start=", start);
-    TORCH_CHECK(head->in_features() == H, "int8_native: the head takes ", head->in_features(), " inputs, not ", H);
-    int64_t cap = 0;
-    for (int64_t i = 0; i < L; ++i) {
-      for (const at::Tensor* c : {&kc[i], &vc[i]}) {
-        check_float(*c, "a KV cache");
-        TORCH_CHECK(c->dim() == 4 && c->size(0) == B && c->size(2) == hk && c->size(3) == D &&
-                        c->size(1) >= start + T && (i == 0 || c->size(1) == cap),
-                    "int8_native: a KV cache must be [", B, ", >= ", start + T, ", ", hk, ", ", D, "], got ", c->sizes());
-        cap = c->size(1);
-      }
-    }
-    // Each row's slots: the causal prefix, or the mask's.
-    const int64_t len = start + T;
-    std::vector<int64_t> slots(T * len), counts(T);
-    if (mask) {
+  // One sequence of a forward: its new rows [row0, row0 + T) of the stacked rows, its caches (per layer, the
+  // base of its [capacity, hk, D] slots), the first slot its rows take, and the slots each row attends to.
+  struct Segment {
+    std::vector<float*> k, v;
+    int64_t start = 0, T = 0, row0 = 0, len = 0;
+    std::vector<int64_t> slots, counts;  // [T * len], [T]
+  };
+
+  // A segment's slots per row: the causal prefix, or a mask's (bool [T, start + T]; an undefined or empty
+  // tensor: causal).
+  static void set_slots(Segment& s, const at::Tensor* mask) {
+    const int64_t T = s.T, len = s.start + s.T;
+    s.len = len;
+    s.slots.assign(T * len, 0);
+    s.counts.assign(T, 0);
+    if (mask != nullptr && mask->defined() && mask->numel() > 0) {
       TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == T && mask->size(1) == len,
                   "int8_native: the mask must be bool [", T, ", ", len, "], got ", mask->scalar_type(), " ",
                   mask->sizes());
       const at::Tensor m = mask->contiguous();
       const bool* mp = m.data_ptr<bool>();
       for (int64_t t = 0; t < T; ++t) {
-        for (int64_t s = 0; s < len; ++s)
-          if (mp[t * len + s]) slots[t * len + counts[t]++] = s;
-        TORCH_CHECK(counts[t] > 0, "int8_native: mask row ", t, " attends to nothing");
+        for (int64_t j = 0; j < len; ++j)
+          if (mp[t * len + j]) s.slots[t * len + s.counts[t]++] = j;
+        TORCH_CHECK(s.counts[t] > 0, "int8_native: mask row ", t, " attends to nothing");
       }
     } else {
       for (int64_t t = 0; t < T; ++t) {
-        counts[t] = start + t + 1;
-        for (int64_t s = 0; s < counts[t]; ++s) slots[t * len + s] = s;
+        s.counts[t] = s.start + t + 1;
+        for (int64_t j = 0; j < s.counts[t]; ++j) s.slots[t * len + j] = j;
       }
     }
+  }
+
+  // Checks a sequence's caches: L layers of [batch, >= need, hk, D] fp32, one capacity; returns the capacity.
+  int64_t check_caches(const std::vector<at::Tensor>& kc, const std::vector<at::Tensor>& vc, size_t first,
+                       int64_t batch, int64_t need) const {
+    int64_t cap = 0;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      for (const at::Tensor* c : {&kc[first + i], &vc[first + i]}) {
+        check_float(*c, "a KV cache");
+        TORCH_CHECK(c->dim() == 4 && c->size(0) == batch && c->size(2) == hk && c->size(3) == d &&
+                        c->size(1) >= need && (i == 0 || c->size(1) == cap),
+                    "int8_native: a KV cache must be [", batch, ", >= ", need, ", ", hk, ", ", d, "], got ",
+                    c->sizes());
+        cap = c->size(1);
+      }
+    }
+    return cap;
+  }
+
+  // The layers and the head over the stacked rows h [N, H] of the segments; cos, sin hold [N, D] values;
+  // picked: the rows (indices into N) whose logits are wanted. Each row's result depends on its own row and
+  // its segment's cache only, so a sequence gets the same bits alone and among others.
+  at::Tensor run(const at::Tensor& h_in, const at::Tensor& cos_t, const at::Tensor& sin_t, std::vector<Segment>& segs,
+                 const Linear& head, const at::Tensor& picked) {
+    const int64_t H = hidden, D = d, half = D / 2, L = num_layers(), BT = h_in.size(0);
+    int64_t max_len = 1;
+    for (const Segment& sg : segs) max_len = std::max(max_len, sg.len);
     at::Tensor h = h_in.to(at::kFloat).reshape({BT, H}).clone();  // the residual stream, updated in place
     at::Tensor xn = at::empty({BT, H}, h.options());
     at::Tensor att = at::empty({BT, hq * D}, h.options());
-    std::vector<float> q(hq * D), scores(hq * len);
+    std::vector<float> q(hq * D), scores(hq * max_len);
     float* hp = h.data_ptr<float>();
     float* xp = xn.data_ptr<float>();
     float* ap = att.data_ptr<float>();
@@ -293,7 +303,7 @@ struct Int8Draft : torch::CustomClassHolder {
     const float* cs = cos_c.data_ptr<float>();
     const float* sn = sin_c.data_ptr<float>();
     const float e = static_cast<float>(eps);
-    const int64_t qkv_cols = (hq + 2 * hk) * D, seq = cap * hk * D;
+    const int64_t qkv_cols = (hq + 2 * hk) * D;
     for (int64_t i = 0; i < L; ++i) {
       const float* w_in = in_norm[i].data_ptr<float>();
       for (int64_t r = 0; r < BT; ++r) rms_norm(hp + r * H, w_in, xp + r * H, H, e);
@@ -301,25 +311,25 @@ struct Int8Draft : torch::CustomClassHolder {
       if (bqkv[i]) qkv.add_(*bqkv[i]);
       // rope q and k, write k and v of every row into its slot, then attend (a row's keys are all written first:
       // with a mask a row may see later new tokens' slots only if the mask says so, and those are written too)
-      for (int64_t b = 0; b < B; ++b) {
-        float* kb = kc[i].data_ptr<float>() + b * seq;
-        float* vb = vc[i].data_ptr<float>() + b * seq;
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t r = b * T + t;
+      for (const Segment& sg : segs) {
+        float* kb = sg.k[i];
+        float* vb = sg.v[i];
+        for (int64_t t = 0; t < sg.T; ++t) {
+          const int64_t r = sg.row0 + t;
           const float* row = qkv.data_ptr<float>() + r * qkv_cols;
           const float* c = cs + r * D;
           const float* s = sn + r * D;
-          float* kslot = kb + (start + t) * hk * D;
+          float* kslot = kb + (sg.start + t) * hk * D;
           for (int64_t hh = hq; hh < hq + hk; ++hh) {
             const float* x = row + hh * D;
             float* y = kslot + (hh - hq) * D;
             for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + x[j + half] * s[j];
             for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
           }
-          std::memcpy(vb + (start + t) * hk * D, row + (hq + hk) * D, sizeof(float) * hk * D);
+          std::memcpy(vb + (sg.start + t) * hk * D, row + (hq + hk) * D, sizeof(float) * hk * D);
         }
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t r = b * T + t;
+        for (int64_t t = 0; t < sg.T; ++t) {
+          const int64_t r = sg.row0 + t;
           const float* row = qkv.data_ptr<float>() + r * qkv_cols;
           const float* c = cs + r * D;
           const float* s = sn + r * D;
@@ -329,7 +339,7 @@ struct Int8Draft : torch::CustomClassHolder {
             for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + x[j + half] * s[j];
             for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
           }
-          attend(q.data(), kb, vb, ap + r * hq * D, scores.data(), slots.data() + t * len, counts[t]);
+          attend(q.data(), kb, vb, ap + r * hq * D, scores.data(), sg.slots.data() + t * sg.len, sg.counts[t]);
         }
       }
       at::Tensor o = run_gemm(wo[i], att, layers_gemm);
@@ -358,16 +368,101 @@ struct Int8Draft : torch::CustomClassHolder {
 #pragma omp simd
       for (int64_t j = 0; j < BT * H; ++j) hp[j] += dp[j];
     }
-    at::Tensor h3 = h.view({B, T, H});
-    at::Tensor last = rows ? h3.index_select(1, rows->to(at::kLong)) : h3;
-    const int64_t n = last.size(1);
-    last = last.reshape({B * n, H}).contiguous();
-    const int64_t V = head->out_features();
-    if (n == 0) return at::empty({B, 0, V}, h.options());  // no rows wanted (a caller's empty logits_for)
-    at::Tensor out = at::empty({B * n, H}, h.options());
-    for (int64_t r = 0; r < B * n; ++r)
+    const at::Tensor last = h.index_select(0, picked.to(at::kLong)).contiguous();
+    const int64_t n = last.size(0), V = head->out_features();
+    if (n == 0) return at::empty({0, V}, h.options());  // no rows wanted (a caller's empty logits_for)
+    at::Tensor out = at::empty({n, H}, h.options());
+    for (int64_t r = 0; r < n; ++r)
       rms_norm(last.data_ptr<float>() + r * H, norm.data_ptr<float>(), out.data_ptr<float>() + r * H, H, e);
-    return graphspec_native::int8_linear(out, head->own).view({B, n, V});
+    return graphspec_native::int8_linear(out, head->own);
+  }
+
+  void check_inputs(const at::Tensor& h_in, const at::Tensor& cos_t, const at::Tensor& sin_t, int64_t rows,
+                    const Linear& head) const {
+    check_float(cos_t, "cos");
+    check_float(sin_t, "sin");
+    TORCH_CHECK(cos_t.numel() == rows * d && sin_t.numel() == rows * d, "int8_native: cos and sin must hold ", rows,
+                " x ", d, " values, got ", cos_t.sizes(), " and ", sin_t.sizes());
+    TORCH_CHECK(head->in_features() == hidden, "int8_native: the head takes ", head->in_features(), " inputs, not ",
+                hidden);
+  }
+
+  // h [B, T, H] fp32 embeddings of the new tokens; cos, sin [B, T, 1, D] (sin signed: rope_tables); caches
+  // [B, capacity, hk, D] fp32, slots start .. start+T-1 written here; head: the lm_head (or a pruned one);
+  // rows: the rows of each sequence whose logits are wanted (None: all); mask: None (causal) or bool
+  // [T, start + T], row t attending to slot s where mask[t, s]. Returns logits [B, n, V] fp32.
+  at::Tensor forward(at::Tensor h_in, at::Tensor cos_t, at::Tensor sin_t, int64_t start, std::vector<at::Tensor> kc,
+                     std::vector<at::Tensor> vc, Linear head, c10::optional<at::Tensor> rows,
+                     c10::optional<at::Tensor> mask) {
+    const int64_t H = hidden, L = num_layers();
+    TORCH_CHECK(h_in.dim() == 3 && h_in.size(2) == H && h_in.size(0) >= 1, "int8_native: h must be [B, T, ", H,
+                "], got ", h_in.sizes());
+    const int64_t B = h_in.size(0), T = h_in.size(1), BT = B * T;
+    TORCH_CHECK(T >= 1, "int8_native: no tokens to run");
+    check_inputs(h_in, cos_t, sin_t, BT, head);
+    TORCH_CHECK(static_cast<int64_t>(kc.size()) == L && static_cast<int64_t>(vc.size()) == L, "int8_native: ", L,
+                " layers but ", kc.size(), " key and ", vc.size(), " value caches");
+    TORCH_CHECK(start >= 0, "int8_native: start=", start);
+    const int64_t cap = check_caches(kc, vc, 0, B, start + T), seq = cap * hk * d;
+    std::vector<Segment> segs(B);
+    for (int64_t b = 0; b < B; ++b) {  // each batch row a sequence of its own, sharing start, T and slots
+      Segment& sg = segs[b];
+      sg.start = start;
+      sg.T = T;
+      sg.row0 = b * T;
+      if (b == 0) {
+        set_slots(sg, mask ? &*mask : nullptr);
+      } else {
+        sg.len = segs[0].len;
+        sg.slots = segs[0].slots;
+        sg.counts = segs[0].counts;
+      }
+      for (int64_t i = 0; i < L; ++i) {
+        sg.k.push_back(kc[i].data_ptr<float>() + b * seq);
+        sg.v.push_back(vc[i].data_ptr<float>() + b * seq);
+      }
+    }
+    at::Tensor per = rows ? rows->to(at::kLong).contiguous() : at::arange(T, at::kLong);
+    const int64_t n = per.numel();
+    at::Tensor picked = (at::arange(B, at::kLong).mul_(T).view({B, 1}) + per.view({1, n})).reshape({B * n});
+    at::Tensor logits = run(h_in.reshape({BT, H}), cos_t, sin_t, segs, head, picked);
+    return logits.view({B, n, head->out_features()});
+  }
+
+  // Several sequences in one forward (the batched engine): h [N, H], their new tokens stacked; cos, sin [N, D];
+  // sequence s has lens[s] rows from slot starts[s] on, caches kc[s * L + l], vc[s * L + l] ([1, capacity, hk,
+  // D]) and masks[s] (an empty tensor: causal); picked: the rows of N whose logits are wanted. Each sequence's
+  // logits are the bits forward() gives it alone. Returns [n, V].
+  at::Tensor forward_many(at::Tensor h_in, at::Tensor cos_t, at::Tensor sin_t, std::vector<int64_t> starts,
+                          std::vector<int64_t> lens, std::vector<at::Tensor> kc, std::vector<at::Tensor> vc,
+                          Linear head, at::Tensor picked, std::vector<at::Tensor> masks) {
+    const int64_t H = hidden, L = num_layers();
+    const size_t S = starts.size();
+    TORCH_CHECK(S >= 1 && lens.size() == S && masks.size() == S, "int8_native: starts, lens and masks must have one "
+                "entry per sequence (", S, ", ", lens.size(), ", ", masks.size(), ")");
+    TORCH_CHECK(kc.size() == S * L && vc.size() == S * L, "int8_native: ", S, " sequences of ", L, " layers need ",
+                S * L, " key and value caches, got ", kc.size(), " and ", vc.size());
+    TORCH_CHECK(h_in.dim() == 2 && h_in.size(1) == H, "int8_native: h must be [N, ", H, "], got ", h_in.sizes());
+    std::vector<Segment> segs(S);
+    int64_t row0 = 0;
+    for (size_t s = 0; s < S; ++s) {
+      Segment& sg = segs[s];
+      TORCH_CHECK(starts[s] >= 0 && lens[s] >= 1, "int8_native: sequence ", s, " has start ", starts[s], " and ",
+                  lens[s], " rows");
+      sg.start = starts[s];
+      sg.T = lens[s];
+      sg.row0 = row0;
+      row0 += lens[s];
+      check_caches(kc, vc, s * L, 1, sg.start + sg.T);
+      set_slots(sg, &masks[s]);
+      for (int64_t i = 0; i < L; ++i) {
+        sg.k.push_back(kc[s * L + i].data_ptr<float>());
+        sg.v.push_back(vc[s * L + i].data_ptr<float>());
+      }
+    }
+    TORCH_CHECK(row0 == h_in.size(0), "int8_native: the sequences have ", row0, " rows but h has ", h_in.size(0));
+    check_inputs(h_in, cos_t, sin_t, row0, head);
+    return run(h_in, cos_t, sin_t, segs, head, picked);
   }
 };
 
@@ -389,5 +484,6 @@ GS_LIBRARY_FRAGMENT(m) {
       .def("gemm", &Int8Draft::gemm)
       .def("set_gemm", &Int8Draft::set_gemm)
       .def("drop_int4", &Int8Draft::drop_int4)
-      .def("forward", &Int8Draft::forward);
+      .def("forward", &Int8Draft::forward)
+      .def("forward_many", &Int8Draft::forward_many);
 }

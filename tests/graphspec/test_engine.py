@@ -62,16 +62,18 @@ def _pipes(tiny_dirs, dtype):
         "model": graphspec.Pipeline(target, draft, num_speculative_tokens=4, draft_confidence_threshold=None),
         "tree": graphspec.Pipeline(target, draft, num_speculative_tokens=5, draft_siblings=2),
         "ngram": graphspec.Pipeline(target, "ngram", num_speculative_tokens=3),
+        "int8": graphspec.Pipeline(target, graphspec.load_model(draft_dir, dtype=torch.float32, quantize="int8"),
+                                   num_speculative_tokens=4, draft_vocab=250),
         "cross": graphspec.Pipeline(target, graphspec.load_model(other_dir, dtype=dtype), num_speculative_tokens=3),
     }
 
 
 @pytest.mark.parametrize("dtype, concurrency, names", [
     (torch.float32, 1, ["model"]),
-    (torch.float32, 4, ["plain", "model", "tree", "ngram", "cross"]),
-    (torch.float32, 16, ["model", "tree"]),
+    (torch.float32, 4, ["plain", "model", "tree", "ngram", "cross", "int8"]),
+    (torch.float32, 16, ["model", "tree", "int8"]),
     (torch.bfloat16, 4, ["plain", "model", "tree"]),
-    (torch.bfloat16, 16, ["model"]),
+    (torch.bfloat16, 16, ["model", "int8"]),
 ], ids=["fp32-1", "fp32-4", "fp32-16", "bf16-4", "bf16-16"])
 def test_batched_outputs_equal_each_request_alone(tiny_dirs, dtype, concurrency, names):
     requests = _requests(max(concurrency, 6))
@@ -132,6 +134,35 @@ def test_step_many_rows_are_the_rows_of_each_step(tiny_dirs, any_level):
             assert a.shape == b.shape and torch.equal(a, b), (dtype, any_level, i)
         with pytest.raises(ValueError, match="share one cache"):
             model.step_many([dict(token_ids=reqs[0]["token_ids"], cache=caches[0])] * 2)
+
+
+def test_int8_step_many_rows_are_the_rows_of_each_step(tiny_dirs, any_level):
+    """An int8 draft's batched forward (the C++ ``forward_many`` at the C++ levels, the general forward at the
+    torch level) gives each sequence the bits of its own ``step``: chains, a tree, a pruned head."""
+    from graphspec.kernels.attention import ancestor_mask
+
+    model = graphspec.load_model(tiny_dirs[1], dtype=torch.float32, quantize="int8")
+    g = torch.Generator().manual_seed(1)
+    caches = []
+    for length in (4, 11, 2):
+        c = model.new_cache(64)
+        model.step(torch.randint(0, 300, (1, length), generator=g), c)
+        caches.append(c)
+    tree = ancestor_mask(torch.tensor([-1, 0, 0]))
+    reqs = [dict(token_ids=torch.randint(0, 300, (1, 1), generator=g), logits_for="last"),
+            dict(token_ids=torch.randint(0, 300, (1, 5), generator=g)),
+            dict(token_ids=torch.randint(0, 300, (1, 3), generator=g), tree=tree,
+                 positions=torch.tensor([[0, 1, 1]]) + caches[2].length)]
+    for head in (None, model.head_rows(torch.arange(0, 250))):
+        lengths = [c.length for c in caches]
+        alone = [model.step(cache=c, head=head, **r) for c, r in zip(caches, reqs)]
+        for c, n in zip(caches, lengths):
+            c.truncate(n)
+        many = model.step_many([dict(cache=c, head=head, **r) for c, r in zip(caches, reqs)])
+        for i, (a, b) in enumerate(zip(alone, many)):
+            assert a.shape == b.shape and torch.equal(a, b), (any_level, head is None, i)
+        for c, n in zip(caches, lengths):
+            c.truncate(n)
 
 
 def test_policy_keeps_greedy_tokens_and_follows_the_costs(tiny_dirs):
