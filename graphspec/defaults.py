@@ -39,7 +39,7 @@ def draft_quantize(choice, device, loads_draft: bool = True) -> str | None:
     ``loads_draft``: False for a draft model passed in already loaded, which "auto" leaves as it is.
     """
     if choice not in QUANTIZE_CHOICES:
-        raise ValueError(f"draft_quantize must be 'auto', 'int8', 'int4' or None, got {choice!r}")
+        raise ValueError(f"draft_quantize={choice!r} is not one of 'auto', 'int8', 'int4', None")
     kind = torch.device(device).type
     if choice == "auto":
         return "int8" if kind == "cpu" and loads_draft else None

@@ -99,5 +99,5 @@ def test_auto_quantization_is_a_cpu_rule():
     assert defaults.draft_quantize("none", "cpu") is None
     with pytest.raises(ValueError, match="CPU only"):
         defaults.draft_quantize("int8", "cuda")
-    with pytest.raises(ValueError, match="draft_quantize must be"):
+    with pytest.raises(ValueError, match="draft_quantize='fp8' is not one of"):
         defaults.draft_quantize("fp8", "cpu")

@@ -44,7 +44,7 @@ def test_greedy_speculative_equals_autoregressive_on_transformers(dirs, models):
     for prompt in prompts:
         ref = ar.run(prompt, max_new_tokens=24, ignore_eos=True).token_ids
         for k in (1, 3, 8):
-            same = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k)
+            same = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k, draft_siblings=0)  # a chain
             out = same.run(prompt, max_new_tokens=24, ignore_eos=True)
             assert out.token_ids == ref and out.stats.acceptance_rate == 1.0, (k, prompt)
             unrelated = graphspec.Pipeline(target, draft=other, num_speculative_tokens=k).run(
@@ -75,7 +75,8 @@ def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype, any_le
                 prompt, max_new_tokens=24, ignore_eos=True)
             assert out.token_ids == ref, (draft, prompt)
         # a rounded copy of the target agrees with it almost always, but not by construction
-        same = graphspec.Pipeline(target, int8_draft, num_speculative_tokens=4, draft_confidence_threshold=None)
+        same = graphspec.Pipeline(target, int8_draft, num_speculative_tokens=4, draft_confidence_threshold=None,
+                                  draft_siblings=0)  # a chain's acceptance
         assert same.run(prompt, max_new_tokens=24, ignore_eos=True).stats.acceptance_rate > 0.5
 
 
@@ -192,7 +193,8 @@ def test_paths_load_like_models_and_match_transformers(dirs, models):
 def test_stats_and_stream_on_transformers(models):
     target, _ = models
     k = 3
-    pipe = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k, draft_confidence_threshold=None)
+    pipe = graphspec.Pipeline(target, draft=target, num_speculative_tokens=k, draft_confidence_threshold=None,
+                              draft_siblings=0)  # a chain: every proposed token is accepted
     out = pipe.run("Hello, world!", max_new_tokens=24, ignore_eos=True)
     assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length == k + 1
     assert out.stats.accepted_per_position == [6] * k
