@@ -268,3 +268,21 @@ def test_triton_backend_computes_the_same_model(files):
     ref = load_model(converted, dtype=torch.float32)(IDS[:, :6])
     got = load_model(path, backend="triton")(IDS[:, :6])  # the Triton block GEMMs (interpreted here)
     assert _rel(got, ref) <= 1e-5, _rel(got, ref)
+
+
+@pytest.mark.slow
+def test_real_qwen_0_5b_gguf_is_its_dequantized_model_and_speculates_losslessly():
+    name = "qwen2.5-coder-0.5b-instruct"  # Q5_0 / Q8_0 / Q6_K / Q4_K blocks, some q/k/v in F32
+    target = load_model(name, weights="gguf")
+    ref = load_model(name, dtype=torch.float32)  # the zoo's conversion: the same weights dequantized to fp32
+    ids = torch.tensor([target.tokenizer.encode("def quicksort(items):\n    ")])
+    a, b = target(ids), ref(ids)
+    assert _rel(a, b) <= 1e-5, _rel(a, b)
+    prompt = "Write a Python function that checks whether a number is prime."
+    plain = graphspec.Pipeline(target).run(prompt, max_new_tokens=32, ignore_eos=True)
+    assert plain.token_ids == graphspec.Pipeline(ref).run(prompt, max_new_tokens=32, ignore_eos=True).token_ids
+    draft = load_model(name, quantize="int8")
+    spec = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=4).run(prompt, max_new_tokens=32,
+                                                                                ignore_eos=True)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.acceptance_rate > 0.3
