@@ -27,9 +27,12 @@ def main() -> None:
     smol = graphspec.load_model("smollm2-135m-instruct", dtype="bfloat16")
     half = graphspec.load_model("qwen2.5-coder-0.5b-instruct", dtype="bfloat16")
     methods = {"autoregressive": graphspec.Pipeline(target)}
+    chain = {"draft_siblings": 0, "draft_vocab": None}  # chains of whole-vocabulary drafts: the threshold alone varies
     for th in (None, 0.3, 0.5):
-        methods[f"smollm2 K=5 threshold={th}"] = graphspec.Pipeline(target, smol, 5, draft_confidence_threshold=th)
-        methods[f"0.5B K=4 threshold={th}"] = graphspec.Pipeline(target, half, 4, draft_confidence_threshold=th)
+        methods[f"smollm2 K=5 threshold={th}"] = graphspec.Pipeline(target, smol, 5, draft_confidence_threshold=th,
+                                                                    **chain)
+        methods[f"0.5B K=4 threshold={th}"] = graphspec.Pipeline(target, half, 4, draft_confidence_threshold=th,
+                                                                 **chain)
     for pipe in methods.values():  # warm-up
         pipe.run(prompts[0], max_new_tokens=3)
     totals = {name: [0, 0.0, 0, 0] for name in methods}

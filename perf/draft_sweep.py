@@ -86,14 +86,15 @@ def main(argv=None) -> int:
             for th, (sib, min_score) in ((th, sm) for th in args.thresholds for sm in sibs):
                 tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "") + (
                     f" sib={sib}" if sib else "") + (f" min={min_score}" if min_score is not None else "")
-                kw = {"draft_confidence_threshold": th, "draft_siblings": sib}
+                # draft_vocab=None: the "vocab" kind alone prunes (Pipeline's own default would prune an int8 draft)
+                kw = {"draft_confidence_threshold": th, "draft_siblings": sib, "draft_vocab": None}
                 if plain is not None:
                     methods[f"{tag} {args.dtype}"] = graphspec.Pipeline(target, plain, k, **kw)
                 if "int8" in args.kinds:
                     methods[f"{tag} int8"] = graphspec.Pipeline(target, int8, k, **kw)
                 for n in args.vocab if "vocab" in args.kinds else ():
                     if n < int8.config.vocab_size:
-                        methods[f"{tag} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, draft_vocab=n, **kw)
+                        methods[f"{tag} int8 vocab {n}"] = graphspec.Pipeline(target, int8, k, **{**kw, "draft_vocab": n})
                 if min_score is not None:
                     for pname, pipe in methods.items():
                         if pname.startswith(tag + " ") or pname == tag:
@@ -103,11 +104,13 @@ def main(argv=None) -> int:
                               for w in (args.cross_beams if name == CROSS_DRAFT else args.beams) if w):
                     tag = f"{short} K={k}" + (f" th={th}" if len(args.thresholds) > 1 else "") + f" beam={w}"
                     methods[f"{tag} int8"] = graphspec.Pipeline(target, int8, k, draft_beam=w,
-                                                                draft_confidence_threshold=th)
+                                                                draft_confidence_threshold=th, draft_siblings=0,
+                                                                draft_vocab=None)
                     for n in args.vocab if "vocab" in args.kinds else ():
                         if n < int8.config.vocab_size:
                             methods[f"{tag} int8 vocab {n}"] = graphspec.Pipeline(
-                                target, int8, k, draft_beam=w, draft_confidence_threshold=th, draft_vocab=n)
+                                target, int8, k, draft_beam=w, draft_confidence_threshold=th, draft_vocab=n,
+                                draft_siblings=0)
     print(f"# {machine_info()}", flush=True)
     for pipe in methods.values():  # warm-up
         pipe.run(prompts[0], max_new_tokens=3)

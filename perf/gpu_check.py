@@ -307,9 +307,11 @@ def e2e(log, result, device, dry: bool, deadline: float):
         runs = {}
         for label, pipe in (("autoregressive", graphspec.Pipeline(target)),
                             ("draft = target, K=4", graphspec.Pipeline(target, draft=target, num_speculative_tokens=4,
-                                                                       draft_confidence_threshold=None)),
+                                                                       draft_confidence_threshold=None,
+                                                                       draft_siblings=0)),  # a chain: the ceiling
                             ("draft = target, K=8", graphspec.Pipeline(target, draft=target, num_speculative_tokens=8,
-                                                                       draft_confidence_threshold=None))):
+                                                                       draft_confidence_threshold=None,
+                                                                       draft_siblings=0))):
             if time.time() > deadline:
                 break
             pipe.run(prompt[:8], max_new_tokens=4, ignore_eos=True)  # warm-up
