@@ -212,6 +212,35 @@ def _required(info: GGUFInfo, suffix: str) -> Any:
     return value
 
 
+def _meta_int(info: GGUFInfo, suffix: str, default: Any = ...) -> int:
+    """A positive integer metadata value of the architecture (required unless a default is given)."""
+    v = _required(info, suffix) if default is ... else info.arch_field(suffix, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{info.path} has {info.architecture}.{suffix}={_brief(v)}; expected a positive integer")
+    return v
+
+
+def _meta_float(info: GGUFInfo, suffix: str, default: Any = ...) -> float:
+    """A finite positive float metadata value of the architecture."""
+    v = _required(info, suffix) if default is ... else info.arch_field(suffix, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{info.path} has {info.architecture}.{suffix}={_brief(v)}; expected a finite positive "
+                         "number")
+    return _f32(v)
+
+
+def _token_id(info: GGUFInfo, key: str) -> int | None:
+    v = info.get(f"tokenizer.ggml.{key}")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise ValueError(f"{info.path} has tokenizer.ggml.{key}={_brief(v)}; expected a token id")
+    return v
+
+
+def _brief(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:50] + "..."
+
+
 def _f32(x: float) -> float:
     # GGUF stores these as float32; the shortest decimal that rounds back (1e-05, not 9.99999974e-06).
     return float(str(np.float32(x)))
@@ -219,16 +248,16 @@ def _f32(x: float) -> float:
 
 def _hf_config(info: GGUFInfo, dtype: torch.dtype) -> dict:
     arch = info.architecture
-    hidden = int(_required(info, "embedding_length"))
-    heads = int(_required(info, "attention.head_count"))
-    kv_heads = int(info.arch_field("attention.head_count_kv", heads))
+    hidden = _meta_int(info, "embedding_length")
+    heads = _meta_int(info, "attention.head_count")
+    kv_heads = _meta_int(info, "attention.head_count_kv", heads)
     if heads % kv_heads:
         raise ValueError(
             f"{info.path} has {arch}.attention.head_count_kv={kv_heads} but head_count={heads} is not a multiple"
         )
-    head_dim = int(info.arch_field("attention.key_length", hidden // heads))
+    head_dim = _meta_int(info, "attention.key_length", max(1, hidden // heads))
     rope_dims = info.arch_field("rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    if rope_dims is not None and rope_dims != head_dim:
         raise ValueError(
             f"{info.path} rotates only {rope_dims} of {head_dim} head dimensions (partial rotary); "
             "graphspec supports full rotary embeddings only"
@@ -240,8 +269,8 @@ def _hf_config(info: GGUFInfo, dtype: torch.dtype) -> dict:
     rope_scaling = None
     scaling_type = info.arch_field("rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _f32(_required(info, "rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
+        rope_scaling = {"rope_type": "linear", "factor": _meta_float(info, "rope.scaling.factor")}
+    elif not (scaling_type is None or scaling_type == "none"):
         raise ValueError(
             f"{info.path} uses {arch}.rope.scaling.type={scaling_type!r}; graphspec converts only none and linear"
         )
@@ -251,22 +280,22 @@ def _hf_config(info: GGUFInfo, dtype: torch.dtype) -> dict:
             "graphspec cannot express in config.json; convert the original HF checkpoint instead"
         )
 
-    bos = info.get("tokenizer.ggml.bos_token_id")
-    eos = info.get("tokenizer.ggml.eos_token_id")
+    bos = _token_id(info, "bos_token_id")
+    eos = _token_id(info, "eos_token_id")
     config = {
         "architectures": [_HF_ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": int(vocab_size),
         "hidden_size": hidden,
-        "intermediate_size": int(_required(info, "feed_forward_length")),
-        "num_hidden_layers": int(_required(info, "block_count")),
+        "intermediate_size": _meta_int(info, "feed_forward_length"),
+        "num_hidden_layers": _meta_int(info, "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(info.arch_field("context_length", 2048)),
-        "rms_norm_eps": _f32(_required(info, "attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(info.arch_field("rope.freq_base", 10000.0)),
+        "max_position_embeddings": _meta_int(info, "context_length", 2048),
+        "rms_norm_eps": _meta_float(info, "attention.layer_norm_rms_epsilon"),
+        "rope_theta": _meta_float(info, "rope.freq_base", 10000.0),
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in info.tensors,
         "attention_bias": "blk.0.attn_q.bias" in info.tensors,
@@ -278,6 +307,10 @@ def _hf_config(info: GGUFInfo, dtype: torch.dtype) -> dict:
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    # The same bounds as any config.json (sizes, finiteness), before a tensor plan is built from them.
+    from graphspec.models.config import ModelConfig
+
+    ModelConfig.from_dict(config, source=f"{info.path} (its metadata as a config)")
     return config
 
 
@@ -437,8 +470,45 @@ _PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
 }
 
 
+# The tokenizer metadata's value types: anything else is refused by name before a tokenizer is built from it.
+_TOKENIZER_LISTS = {"tokens": str, "merges": str, "token_type": int, "scores": float}
+_TOKENIZER_FLAGS = ("add_bos_token", "add_eos_token", "add_space_prefix")
+_TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id",
+                  "unknown_token_id", "seperator_token_id", "cls_token_id", "mask_token_id")
+
+
+def _check_tokenizer_metadata(info: GGUFInfo) -> None:
+    def bad(key, v, want):
+        raise ValueError(f"{info.path} has {key}={_brief(v)}; expected {want}")
+
+    for name, kind in _TOKENIZER_LISTS.items():
+        key = f"tokenizer.ggml.{name}"
+        v = info.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, list):
+            bad(key, v, f"an array of {kind.__name__}")
+        if kind is float:
+            ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+        elif kind is int:
+            ok = all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        else:
+            ok = all(isinstance(x, str) for x in v)
+        if not ok:
+            bad(key, v, f"an array of {kind.__name__}")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if (v := info.get(key)) is not None and not isinstance(v, str):
+            bad(key, v, "a string")
+    for name in _TOKENIZER_FLAGS:
+        if (v := info.get(f"tokenizer.ggml.{name}")) is not None and not isinstance(v, bool):
+            bad(f"tokenizer.ggml.{name}", v, "true or false")
+    for name in _TOKENIZER_IDS:
+        _token_id(info, name)
+
+
 def _build_tokenizer(info: GGUFInfo) -> tuple[Any, dict]:
     """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF tokenizer metadata."""
+    _check_tokenizer_metadata(info)
     model = info.get("tokenizer.ggml.model")
     if model == "gpt2":
         return _build_byte_level_bpe(info)

@@ -6,8 +6,8 @@ or the documented error (ValueError in the API, exit status 2 in the CLI), withi
   cases of a surface share one subprocess (and one torch import).
 - One fixed hypothesis profile: ``derandomize=True`` (the same cases on every run, in CI too), no example
   database, ``max_examples`` per surface in ``CASES``; the count each surface ran is printed and checked.
-- Surfaces: config.json values, safetensors headers (through the whole loader), GGUF headers and metadata
-  (through the converter), chat messages, CLI arguments, bench prompt files.
+- Surfaces: config.json values, safetensors headers (through the whole loader), GGUF headers and GGUF
+  metadata (both through the converter), chat messages, CLI arguments, bench prompt files.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 # Cases per surface: what the whole set costs is a few minutes on 2 cores (docs/errors.md lists them).
-CASES = {"config": 400, "safetensors": 250, "gguf": 150, "chat": 250, "cli": 60, "bench_prompts": 250}
+CASES = {"config": 400, "safetensors": 250, "gguf": 150, "gguf_metadata": 200, "chat": 250, "cli": 60,
+         "bench_prompts": 250}
 MEMORY_LIMIT = 4 << 30   # bytes of address space per surface's subprocess (torch itself maps about 1.5 GB)
 TIME_LIMIT = 300         # seconds per surface
 
@@ -224,6 +225,59 @@ def _gguf_property(tmp: Path, counter):
     return prop
 
 
+_GGUF_KEYS = ["llama.block_count", "llama.embedding_length", "llama.attention.head_count",
+              "llama.attention.head_count_kv", "llama.attention.key_length", "llama.rope.dimension_count",
+              "llama.feed_forward_length", "llama.context_length", "llama.attention.layer_norm_rms_epsilon",
+              "llama.rope.freq_base", "llama.rope.scaling.type", "llama.rope.scaling.factor",
+              "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+              "tokenizer.ggml.padding_token_id", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+              "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+              "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.chat_template"]
+
+
+def _gguf_metadata_property(tmp: Path, counter):
+    """Metadata values of every type and size over a valid file's (as the reader returns them), through the
+    whole converter: the binary framing is the other GGUF surface's."""
+    import dataclasses
+    import shutil
+
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from graphspec.models import gguf as gg
+    from tests.models.test_gguf import write_tiny_gguf
+
+    good = tmp / "good.gguf"
+    write_tiny_gguf(good, "llama")
+    info = gg.read_gguf_metadata(good)
+    read = gg.read_gguf_metadata
+    value = st.one_of(_json_values(), st.sampled_from([0, 1, 2, 3, 4, 16, 64, 10**6, 10**9, 2**32, 2**63 - 1]),
+                      st.lists(st.sampled_from(["a", "b", "a b", "<|im_end|>", "", " "]), max_size=5),
+                      st.lists(st.integers(-2, 6), max_size=5))
+
+    @given(st.dictionaries(st.sampled_from(_GGUF_KEYS), value, min_size=1, max_size=3), st.booleans())
+    def prop(over, drop):
+        counter[0] += 1
+        fields = dict(info.fields)
+        for k, v in over.items():
+            if drop and v is None:
+                fields.pop(k, None)
+            else:
+                fields[k] = v
+        gg.read_gguf_metadata = lambda path: dataclasses.replace(info, fields=fields)
+        out = tmp / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            gg.convert_gguf(good, out, progress=False)
+        except ValueError:
+            return
+        finally:
+            gg.read_gguf_metadata = read
+        counter[1] += 1
+
+    return prop
+
+
 def _tiny_pipeline(tmp: Path):
     import graphspec
     from tests.checkpoints import make_checkpoint
@@ -349,4 +403,5 @@ def _bench_prompts_property(tmp: Path, counter):
 
 
 _PROPERTIES = {"config": _config_property, "safetensors": _safetensors_property, "gguf": _gguf_property,
+               "gguf_metadata": _gguf_metadata_property,
                "chat": _chat_property, "cli": _cli_property, "bench_prompts": _bench_prompts_property}
