@@ -304,3 +304,32 @@ def test_text_with_undecodable_bytes_is_refused(tiny):
         pipe.run("\udcff\udcfehi", max_new_tokens=2)
     with pytest.raises(ValueError, match="stop string is not valid UTF-8"):
         pipe.run("hi", max_new_tokens=2, stop=["\udcff"])
+
+
+# --- GGUF metadata ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("llama.block_count", 10**9, "num_hidden_layers=1000000000, above graphspec's limit"),
+    ("llama.attention.head_count_kv", 0, "llama.attention.head_count_kv=0; expected a positive integer"),
+    ("llama.attention.head_count", "4", "llama.attention.head_count='4'; expected a positive integer"),
+    ("llama.rope.freq_base", float("inf"), "llama.rope.freq_base=inf; expected a finite positive number"),
+    ("tokenizer.ggml.tokens", 1, "tokenizer.ggml.tokens=1; expected an array of str"),
+    ("tokenizer.ggml.eot_token_id", [], "tokenizer.ggml.eot_token_id=[]; expected a token id"),
+    ("tokenizer.ggml.add_bos_token", "false", "expected true or false"),
+])
+def test_gguf_metadata_is_checked_before_conversion(tmp_path, monkeypatch, key, value, fragment):
+    """Metadata of the wrong type or size: a ValueError naming the key (a billion blocks was a tensor plan
+    of a billion layers), before anything is written."""
+    import dataclasses
+
+    from graphspec.models import gguf as gg
+    from tests.models.test_gguf import write_tiny_gguf
+
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(good, "llama")
+    info = gg.read_gguf_metadata(good)
+    fields = {**info.fields, key: value}
+    monkeypatch.setattr(gg, "read_gguf_metadata", lambda path: dataclasses.replace(info, fields=fields))
+    with pytest.raises(ValueError, match=__import__("re").escape(fragment)):
+        gg.convert_gguf(good, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
