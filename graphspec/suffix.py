@@ -45,25 +45,27 @@ from pathlib import Path
 
 import torch
 
+from graphspec.drafters import ModelDrafter, prefill
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise
 
 __all__ = ["SuffixAutomaton", "SuffixStore", "SuffixDrafter", "HybridDrafter", "SUFFIX_SPEC_FACTOR",
-           "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH"]
+           "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH", "HYBRID_MODEL_K"]
 
 SEP = -1     # document separator in a store's text (never a token id)
 _NONE = -2   # "no transition" in the first-transition slot
 
-# Defaults (docs/suffix.md). spec_factor: in a replay of the 1.5B's greedy outputs on perf/workloads.json
-# (perf/workloads.py --replay, K=16) tokens per target forward rose with it (code_edit 3.43 / 3.79 / 4.06 /
-# 4.30 / 4.36 at 0.5 / 1 / 2 / 4 / 8) while draft rows a step grew faster (2.9 / 3.5 / 4.5 / 5.4 / 7.7), and
-# on the CPU a verify past about 6 rows costs more than a step; 2 sits where the rows are still nearly free.
-# min_prob 0.05-0.3 moved nothing by more than 2%.
-SUFFIX_SPEC_FACTOR = 2.0       # tokens proposed per matched token (SuffixDecoding's alpha)
+# Defaults (docs/suffix.md). spec_factor: a replay of the 1.5B's greedy outputs on perf/workloads.json
+# (perf/workloads.py --replay) at K=5, the pipeline's default and about the last size at which this CPU's verify
+# costs a one-token step (perf/cpu_step.py: 5 rows 1.01x, 9 rows 1.69x, 17 rows 1.99x): code_edit 3.06 / 3.13 /
+# 3.16 / 3.20 tokens per target forward at 1 / 2 / 4 / 8, agentic 2.35 / 2.57 / 2.64 / 2.64. min_prob 0.05-0.3
+# and min_match 1-3 (1 best) moved nothing or lost.
+SUFFIX_SPEC_FACTOR = 4.0       # tokens proposed per matched token (SuffixDecoding's alpha)
 SUFFIX_MIN_PROB = 0.1          # nodes whose path continues fewer occurrences than this share are left out
 SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations are counted
 SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its oldest documents (about 40 MB)
 HYBRID_SWITCH = 0.7            # suffix when its calibrated score >= this x the model draft's tokens per step
+HYBRID_MODEL_K = 5             # a hybrid's model draft proposes at most this many (the 0.5B tree's K, perf/RESULTS.md)
 
 
 class SuffixAutomaton:
@@ -550,7 +552,8 @@ class HybridDrafter(Stage):
     """Per step, the suffix tree when it should be accepted well, else a model draft (lossless either way).
 
     ``model``: the model draft's stages in order (a ``ModelDrafter``, or a ``CrossVocabDrafter`` and
-    its ``VocabMap``); ``model_k``: at most this many model draft tokens a step (None: ``num_draft``).
+    its ``VocabMap``); ``model_k``: at most this many model draft tokens a step (None: ``num_draft``), so
+    that K can be set for long suffix trees without lengthening the model's chains.
     Rule: with ``s`` the suffix tree's score (its nodes' scores summed: the tokens it expects accepted),
     ``c`` the run's accepted suffix tokens over the scores of the suffix trees proposed so far (1 before
     any), and ``m`` the mean tokens accepted per model-drafted step so far (``prior_model`` before any),
@@ -561,7 +564,7 @@ class HybridDrafter(Stage):
     writes = ("draft_ids", "draft_probs", "draft_parents")
 
     def __init__(self, model, suffix: SuffixDrafter | None = None, *, switch: float = HYBRID_SWITCH,
-                 model_k: int | None = None, prior_model: float = 1.0, name: str = "draft"):
+                 model_k: int | None = HYBRID_MODEL_K, prior_model: float = 1.0, name: str = "draft"):
         super().__init__(name)
         stages = list(model) if isinstance(model, (list, tuple)) else [model]
         if not stages or not all(isinstance(s, Stage) for s in stages):
@@ -606,6 +609,52 @@ class HybridDrafter(Stage):
     def end(self, state) -> None:
         self.suffix.end(state)
 
+    def _settle(self, state) -> None:
+        """Right after a model step: cut a same-tokenizer draft's cache to the committed tokens it holds.
+
+        A ``ModelDrafter`` drops its rejected drafts at its next run, from the committed length it then
+        sees; after suffix steps that length has moved on, so the hybrid does it at once instead.
+        (A ``CrossVocabDrafter`` matches its cache against the committed text itself.)
+        """
+        d = self.model_drafter
+        if not isinstance(d, ModelDrafter) or d.beam and state.params.greedy:
+            return  # a beam keeps the taken path's nodes from the committed tokens, whenever it runs
+        dsc = state.scratch(d)
+        cache = dsc.get("cache")
+        if cache is None:
+            return
+        n = len(state.tokens)
+        if d.siblings:
+            start, fed = dsc.get("fed", (n, []))
+            same = 0
+            for a, b in zip(fed, state.tokens[start:n - 1]):
+                if a != b:
+                    break
+                same += 1
+            cache.truncate(min(cache.length, start + same, n - 1))
+        else:
+            cache.truncate(min(cache.length, n - 1))
+        dsc["fed"] = (cache.length, [])
+
+    def _catch_up(self, state) -> None:
+        """Before a model step: feed the committed tokens a same-tokenizer draft missed as one batched prefill.
+
+        The drafter would feed them itself, but as the rows of one draft step, which the CPU's few-row
+        kernels compute a row at a time.
+        """
+        d = self.model_drafter
+        if not isinstance(d, ModelDrafter) or d.beam:
+            return
+        dsc = state.scratch(d)
+        cache = dsc.get("cache")
+        n = len(state.tokens)
+        if cache is None or n - 1 - cache.length < 2:
+            return
+        missed = state.tokens[cache.length:n - 1]
+        prefill(d.model, cache, missed, state.run.device)
+        state.run.draft_forwards += 1
+        dsc["fed"] = (cache.length, [])
+
     def run(self, state) -> None:
         sc = state.scratch(self)
         n = len(state.tokens)
@@ -619,6 +668,7 @@ class HybridDrafter(Stage):
             else:
                 sc["model_steps"] += 1
                 sc["model_accepted"] += got + 1
+                self._settle(state)
             sc["last"] = None
         k = state.num_draft
         toks, parents, scores, counts, _ = self.suffix.propose(state, k)
@@ -631,6 +681,7 @@ class HybridDrafter(Stage):
             sc["last"] = ("suffix", n, s)
             extra["suffix_steps"] += 1
             return
+        self._catch_up(state)
         if self.model_k is not None and k > self.model_k:
             state.num_draft = self.model_k
         for st in self.model_stages:

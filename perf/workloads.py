@@ -40,9 +40,9 @@ from perf.e2e import DTYPES, encode_prompts  # noqa: E402
 WORKLOADS_FILE = PERF_DIR / "workloads.json"
 RESULTS_FILE = PERF_DIR / "workloads.jsonl"
 METHODS = ("ar", "ngram", "suffix", "model", "hybrid")
-# K per method: prompt lookup as perf/e2e.py; the model draft as the library's default; suffix and hybrid
-# propose long trees where the match is long (a verify of 16 rows costs little more than one on the CPU).
-K = {"ngram": 4, "suffix": 16, "model": 5, "hybrid": 16}
+# K per method: prompt lookup as perf/e2e.py; the others at the library's default, 6 verify rows, past which a
+# verify of the 1.5B costs clearly more than a one-token step on the CPU (perf/cpu_step.py).
+K = {"ngram": 4, "suffix": 5, "model": 5, "hybrid": 5}
 
 
 def load_workloads(names=None) -> dict[str, list[dict]]:

@@ -150,6 +150,28 @@ def test_greedy_hybrid_equals_the_target_alone_on_toy_models(monkeypatch):
     assert pipe.graph["draft"].store.num_tokens > 0
 
 
+class CheckedHybrid(HybridDrafter):
+    """After every step, the model draft's cache must hold committed tokens only (drafts may follow them)."""
+
+    def run(self, state):
+        super().run(state)
+        cache = state.scratch(self.model_drafter)["cache"]
+        held = cache.tokens[0, :min(cache.length, len(state.tokens))].tolist()
+        assert held == state.tokens[:len(held)], "the model draft's cache holds a token that was not committed"
+
+
+@pytest.mark.parametrize("siblings", [0, 2])
+def test_the_hybrid_keeps_the_model_cache_on_the_committed_tokens(siblings):
+    from graphspec import ModelDrafter
+
+    # switch=0: the suffix tree whenever there is one, so model and suffix steps alternate often
+    hybrid = CheckedHybrid(ModelDrafter(_draft(), siblings=siblings, confidence_threshold=0.6 if siblings else None),
+                           switch=0.0)
+    pipe = graphspec.Pipeline(_target(), draft=hybrid, num_speculative_tokens=5)
+    stats = _check_greedy(pipe, [REPETITIVE] + FRESH + [REPETITIVE], n=60)
+    assert sum(s.draft_forwards for s in stats) > len(stats)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("suffix")
