@@ -8,10 +8,11 @@
 // and then multiplied with up to 8 rows of x at a time. The weight bytes are read once per call, whatever the
 // number of rows.
 //
-// Order of the sums (what makes a row's result independent of the row count and the threads): each output is 16
-// fp32 partial sums, lane l summing k = l, l + 16, l + 32, ... in increasing k (avx2 and avx512: one fused
-// multiply-add per product, std::fma, so those two levels give identical bits; generic: a product and an add),
-// then the 16 lanes added pairwise (l + 8, then + 4, + 2, + 1), then the bias. Nothing in it depends on M, on
+// Order of the sums (what makes a row's result independent of the row count and the threads): each output is 32
+// fp32 partial sums, lane l summing k = l, l + 32, l + 64, ... in increasing k (avx2 and avx512: one fused
+// multiply-add per product, so those two levels give identical bits; generic: a product and an add), then the 32
+// lanes added pairwise (l + 16, then + 8, + 4, + 2, + 1), then the bias. 32 lanes rather than one register's 16 so
+// that a single row runs two independent FMA chains (one chain waits on the FMA latency). Nothing in it depends on M, on
 // which rows share a call, or on the thread that computes it (at::parallel_for over output rows; each output is
 // written by one thread).
 
@@ -28,7 +29,7 @@
 
 namespace {
 
-constexpr int kLanes = 16;
+constexpr int kLanes = 32;
 constexpr int kMaxRows = 8;
 
 // The type numbers of graphspec.kernels.qlinear.TYPE_IDS.
@@ -274,28 +275,46 @@ inline void store(float* p, VF a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(
 
 // acc[m] += the block's 16-weight chunk at offset `off` times x[m, off ..]: the weights dequantized in registers,
 // with the same fp32 operations as dequant_row (so the same values), then one FMA per row.
+// `acc` is the M sums of the chunks at k = 0 mod 32; the second chunk of each 32 adds into the next M (acc + M), so
+// that a row has two independent FMA chains.
 template <int M>
 inline void chunk(VF w, const float* x, int64_t ldx, int off, VF* acc) {
   for (int m = 0; m < M; ++m) acc[m] = fma(w, x + m * ldx + off, acc[m]);
 }
+
+#if GS_AVX512
+// 4-bit formats at avx512: a sub-block's 16 possible weights, computed once with the same fp32 operations as
+// for each weight (so the same values), then looked up per weight with vpermps (which reads the low 4 bits of each
+// index lane, so the low nibbles need no mask): one shuffle instead of a convert, a multiply and an add.
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline VF lookup(VI idx, __m512 table) { return {_mm512_permutexvar_ps(idx.v, table)}; }
+#endif
 
 template <int T, int M>
 inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, int64_t ldx, VF* acc) {
   if constexpr (T == Q8_0) {
     const float d = h2f(p);
     chunk<M>(mul(cvt(load_i8(p + 2)), d), x, ldx, 0, acc);
-    chunk<M>(mul(cvt(load_i8(p + 18)), d), x, ldx, 16, acc);
+    chunk<M>(mul(cvt(load_i8(p + 18)), d), x, ldx, 16, acc + M);
   } else if constexpr (T == Q4_0 || T == Q4_1) {
     const float d = h2f(p);
     const VI raw = load_u8(p + (T == Q4_0 ? 2 : 4));
+#if GS_AVX512
+    const __m512 q = T == Q4_0 ? _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)) : iota16();  // float(q) or float(q - 8)
+    __m512 table = _mm512_mul_ps(_mm512_set1_ps(d), q);
+    if constexpr (T == Q4_1) table = _mm512_add_ps(table, _mm512_set1_ps(h2f(p + 2)));
+    chunk<M>(lookup(raw, table), x, ldx, 0, acc);
+    chunk<M>(lookup(srl(raw, 4), table), x, ldx, 16, acc + M);
+    return;
+#endif
     const VI lo = and_(raw, 0xF), hi = srl(raw, 4);
     if constexpr (T == Q4_0) {
       chunk<M>(mul(cvt(sub(lo, 8)), d), x, ldx, 0, acc);
-      chunk<M>(mul(cvt(sub(hi, 8)), d), x, ldx, 16, acc);
+      chunk<M>(mul(cvt(sub(hi, 8)), d), x, ldx, 16, acc + M);
     } else {
       const float mn = h2f(p + 2);
       chunk<M>(add(mul(cvt(lo), d), mn), x, ldx, 0, acc);
-      chunk<M>(add(mul(cvt(hi), d), mn), x, ldx, 16, acc);
+      chunk<M>(add(mul(cvt(hi), d), mn), x, ldx, 16, acc + M);
     }
   } else if constexpr (T == Q5_0 || T == Q5_1) {
     const float d = h2f(p);
@@ -306,11 +325,11 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
     const VI lo = or_(and_(raw, 0xF), sll(bits16(qh), 4)), hi = or_(srl(raw, 4), sll(bits16(qh >> 16), 4));
     if constexpr (T == Q5_0) {
       chunk<M>(mul(cvt(sub(lo, 16)), d), x, ldx, 0, acc);
-      chunk<M>(mul(cvt(sub(hi, 16)), d), x, ldx, 16, acc);
+      chunk<M>(mul(cvt(sub(hi, 16)), d), x, ldx, 16, acc + M);
     } else {
       const float mn = h2f(p + 2);
       chunk<M>(add(mul(cvt(lo), d), mn), x, ldx, 0, acc);
-      chunk<M>(add(mul(cvt(hi), d), mn), x, ldx, 16, acc);
+      chunk<M>(add(mul(cvt(hi), d), mn), x, ldx, 16, acc + M);
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
     const float d = h2f(p), dmin = h2f(p + 2);
@@ -328,13 +347,21 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
       for (int half = 0; half < 2; ++half) {
         const int s = 2 * i + half;
         const float ds = dss[s], dm = dms[s];
+#if GS_AVX512
+        if constexpr (T == Q4_K) {
+          const __m512 table = _mm512_sub_ps(_mm512_mul_ps(iota16(), _mm512_set1_ps(ds)), _mm512_set1_ps(dm));
+          chunk<M>(lookup(half ? srl(r0, 4) : r0, table), x, ldx, 32 * s, acc);
+          chunk<M>(lookup(half ? srl(r1, 4) : r1, table), x, ldx, 32 * s + 16, acc + M);
+          continue;
+        }
+#endif
         VI q0 = half ? srl(r0, 4) : and_(r0, 0xF), q1 = half ? srl(r1, 4) : and_(r1, 0xF);
         if constexpr (T == Q5_K) {
           q0 = or_(q0, sll(and_(srl(h0, s), 1), 4));
           q1 = or_(q1, sll(and_(srl(h1, s), 1), 4));
         }
         chunk<M>(sub(mul(cvt(q0), ds), dm), x, ldx, 32 * s, acc);
-        chunk<M>(sub(mul(cvt(q1), ds), dm), x, ldx, 32 * s + 16, acc);
+        chunk<M>(sub(mul(cvt(q1), ds), dm), x, ldx, 32 * s + 16, acc + M);
       }
     }
   } else if constexpr (T == Q6_K) {
@@ -354,7 +381,7 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
         const VI q0 = sub(or_(t ? srl(l0, 4) : and_(l0, 0xF), sll(and_(srl(hb0, 2 * s), 3), 4)), 32);
         const VI q1 = sub(or_(t ? srl(l1, 4) : and_(l1, 0xF), sll(and_(srl(hb1, 2 * s), 3), 4)), 32);
         chunk<M>(mul(cvt(q0), ds[2 * g]), x, ldx, 32 * g, acc);
-        chunk<M>(mul(cvt(q1), ds[2 * g + 1]), x, ldx, 32 * g + 16, acc);
+        chunk<M>(mul(cvt(q1), ds[2 * g + 1]), x, ldx, 32 * g + 16, acc + M);
       }
     }
   }
@@ -364,13 +391,14 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
 // dequantized row (lane l of acc[m] is dot_rows' lane l).
 template <int T, int M>
 void row_dot(const uint8_t* __restrict row, const float* __restrict x, int64_t ldx, int64_t k, float* __restrict out) {
-  VF acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = zero();
+  VF acc[2 * M];
+  for (int m = 0; m < 2 * M; ++m) acc[m] = zero();
   const int64_t nb = k / kBlockSize[T];
   for (int64_t b = 0; b < nb; ++b) block_dot<T, M>(row + b * kTypeSize[T], x + b * kBlockSize[T], ldx, acc);
   for (int m = 0; m < M; ++m) {
     float a[kLanes];
     store(a, acc[m]);
+    store(a + 16, acc[M + m]);
     for (int width = kLanes / 2; width >= 1; width /= 2)
       for (int l = 0; l < width; ++l) a[l] = a[l] + a[l + width];
     out[m] = a[0];
