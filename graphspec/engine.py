@@ -269,13 +269,15 @@ class CostTable:
 
 
 class SpeculationPolicy:
-    """How many tokens a sequence drafts this step: the k in 0..K with the most expected tokens per second.
+    """How many tokens the running sequences draft this step: the k in 0..K with the most expected tokens per
+    second of the step.
 
     A chain of k drafts with acceptance a yields ``1 + a + ... + a^k`` tokens a step (the bonus token
     included); the step costs k draft forwards for the n running sequences plus one target forward of about
-    ``n (k + 1)`` rows, read from the measured ``CostTable``. k = 0 is a plain decode step. ``a`` is the
-    sequence's own acceptance so far, starting from ``prior`` (as ``prior_weight`` proposals) so that one
-    unlucky step does not switch a sequence off.
+    ``n (k + 1)`` rows, read from the measured ``CostTable``; the sequences share the step, so one k serves
+    them all (``choose_batch``: the sum of their expected tokens over the step's seconds). k = 0 is a plain
+    decode step. Each ``a`` is that sequence's acceptance so far, starting from ``prior`` (as ``prior_weight``
+    proposals) so that one unlucky step does not switch a sequence off.
     """
 
     def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 4.0):
@@ -287,12 +289,25 @@ class SpeculationPolicy:
         return (accepted + self.prior * self.prior_weight) / (proposed + self.prior_weight)
 
     def choose(self, max_k: int, running: int, accepted: int, proposed: int) -> int:
-        a = min(self.acceptance(accepted, proposed), 0.999)
-        n = max(running, 1)
+        """The k for one sequence, as if each of the ``running`` sequences drafted like it."""
+        return self.choose_batch(max_k, [self.acceptance(accepted, proposed)] * max(running, 1))
+
+    @staticmethod
+    def expected_tokens(a: float, k: int) -> float:
+        """Tokens a step of k drafts at acceptance ``a`` yields: 1 + a + ... + a^k."""
+        a = min(max(a, 0.0), 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def choose_batch(self, max_k: int, acceptances: Sequence[float], fixed_rows: int = 0,
+                     fixed_tokens: float = 0.0) -> int:
+        """The one k for a batch whose sequences share every step: the most expected tokens of all of them per
+        second of the step. ``fixed_rows`` / ``fixed_tokens``: the verify rows and expected tokens of sequences
+        that draft their K whatever (sampled ones)."""
+        n = max(len(acceptances), 1)
         best_k, best = 0, -1.0
         for k in range(max_k + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            seconds = k * self.costs.draft_cost(n) + self.costs.target_cost(n * (k + 1))
+            tokens = sum(self.expected_tokens(a, k) for a in acceptances) + fixed_tokens or 1.0
+            seconds = (k * self.costs.draft_cost(n) if k else 0.0) + self.costs.target_cost(n * (k + 1) + fixed_rows)
             rate = tokens / seconds if seconds > 0 else tokens
             if rate > best * (1 + 1e-9):
                 best_k, best = k, rate
@@ -419,6 +434,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._closed = False
         self._local = threading.local()
+        self._stats: dict[int, tuple] = {}  # worker thread -> (its generation's stats, greedy?), for the policy
 
     # ------------------------------------------------------------------------- state
 
@@ -463,13 +479,25 @@ class Engine:
             bool(quantize) and not (getattr(d, "lean_int8_forward", False) and cpu.available())))
 
     def _budget(self, stats, k: int) -> int:
+        """This step's draft length for the calling sequence: K for sampled ones (so that a seed gives the same
+        sample alone and batched), else the policy's one k for all running greedy sequences, from each one's
+        acceptance so far: they share every step, so they should draft alike."""
         params = getattr(self._local, "params", None)
+        me = threading.get_ident()
+        with self._lock:
+            self._stats[me] = (stats, params is not None and params.greedy)
         if params is None or not params.greedy:
-            return k  # sampled: the pipeline's K, so a seed gives the same sample alone and batched
+            return k
         policy = self.policy()
         if policy is None:
             return k
-        return policy.choose(k, self.running, sum(stats.accepted_per_position), sum(stats.proposed_per_position))
+        with self._lock:
+            running = list(self._stats.values())
+        rates = [(policy.acceptance(sum(s.accepted_per_position), sum(s.proposed_per_position)), is_greedy)
+                 for s, is_greedy in running]
+        sampled = [a for a, is_greedy in rates if not is_greedy]
+        return policy.choose_batch(k, [a for a, is_greedy in rates if is_greedy], fixed_rows=len(sampled) * (k + 1),
+                                   fixed_tokens=sum(policy.expected_tokens(a, k) for a in sampled))
 
     # ------------------------------------------------------------------------- requests
 
@@ -533,6 +561,7 @@ class Engine:
             self._batcher.leave()
             self._finish(seq)
             with self._lock:
+                self._stats.pop(threading.get_ident(), None)
                 self._active.discard(seq)
                 self._threads.discard(threading.current_thread())
                 while self._queue and len(self._active) < self.max_batch:

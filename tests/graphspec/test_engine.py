@@ -197,6 +197,21 @@ def test_policy_choice():
                                                                                proposed=100)
 
 
+def test_policy_chooses_one_k_for_the_batch():
+    costs = CostTable(target={1: 1.0, 8: 1.1, 16: 1.3, 64: 6.0}, draft={1: 0.05, 16: 0.06, 64: 0.1})
+    policy = SpeculationPolicy(costs)
+    good = policy.choose_batch(5, [0.9])
+    assert good > 0
+    # sequences whose drafts are never accepted make the shared verify rows cost more than they return
+    assert policy.choose_batch(5, [0.9] + [0.0] * 7) < good
+    # sampled sequences' rows and tokens count: with 20 rows of them past the table's knee, one more greedy row
+    # costs more than it returns
+    steep = SpeculationPolicy(CostTable(target={1: 1.0, 2: 1.0, 64: 32.0}, draft={1: 0.0, 64: 0.0}))
+    assert steep.choose_batch(5, [0.6]) > 0
+    assert steep.choose_batch(5, [0.6], fixed_rows=20, fixed_tokens=20.0) == 0
+    assert policy.choose_batch(5, []) == 0  # no greedy sequence: nothing to gain
+
+
 def test_cost_table_is_measured(tiny_dirs):
     model = graphspec.load_model(tiny_dirs[0])
     costs = CostTable.measure(model, model, rows=(1, 4), repeats=1)
