@@ -4,11 +4,13 @@
 step (``verify -> accept`` without a draft); ``load_model`` loads a checkpoint directory or zoo name.
 The stages (``ModelDrafter``, ``NgramDrafter``, ``Verify``, ``GreedyAcceptance``, ``RejectionSampling``,
 and for draft trees ``TreeVerify`` and ``TreeAcceptance``) and ``Graph`` / ``Stage`` are public so that
-a stage can be swapped or added.
+a stage can be swapped or added. ``Engine(pipeline)`` runs many generations of a pipeline at once
+(continuous batching; ``graphspec serve`` is built on it).
 """
 
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance
 from graphspec.drafters import ModelDrafter, NgramDrafter
+from graphspec.engine import Engine
 from graphspec.graph import Graph, Stage
 from graphspec.pipeline import GenerationResult, Pipeline, build_graph
 from graphspec.state import SamplingParams, State
@@ -18,7 +20,8 @@ from graphspec.verify import TreeVerify, Verify
 
 __all__ = ["Pipeline", "GenerationResult", "GenerationStats", "SamplingParams", "State", "Graph", "Stage",
            "build_graph", "ModelDrafter", "NgramDrafter", "Verify", "GreedyAcceptance", "RejectionSampling",
-           "TreeVerify", "TreeAcceptance", "load_model", "SuffixDrafter", "HybridDrafter", "SuffixStore"]
+           "TreeVerify", "TreeAcceptance", "load_model", "SuffixDrafter", "HybridDrafter", "SuffixStore",
+           "Engine"]
 
 
 def __getattr__(name: str):
