@@ -13,3 +13,16 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair_dirs(tmp_path_factory):
+    """A tiny random target and draft sharing one tokenizer (chatml template), for the engine and server tests."""
+    from tests.checkpoints import make_checkpoint
+
+    root = tmp_path_factory.mktemp("pair")
+    target = make_checkpoint(root / "target", "qwen2", hidden_size=96, layers=2, heads=6, kv_heads=2, seed=0,
+                             chat_template="chatml")
+    draft = make_checkpoint(root / "draft", "qwen2", hidden_size=64, layers=1, heads=4, kv_heads=2, seed=1,
+                            chat_template="chatml")
+    return target, draft

@@ -24,12 +24,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
+def tiny_dirs(tiny_pair_dirs, tmp_path_factory):
+    target, draft = tiny_pair_dirs
     root = tmp_path_factory.mktemp("engine")
-    target = make_checkpoint(root / "target", "qwen2", hidden_size=96, layers=2, heads=6, kv_heads=2, seed=0,
-                             chat_template="chatml")
-    draft = make_checkpoint(root / "draft", "qwen2", hidden_size=64, layers=1, heads=4, kv_heads=2, seed=1,
-                            chat_template="chatml")
     # a draft with another tokenizer (metaspace): the cross-vocabulary stages run in the engine too
     other = make_checkpoint(root / "other", "llama", tokenizer="metaspace", hidden_size=64, layers=1, heads=4,
                             kv_heads=2, seed=2)

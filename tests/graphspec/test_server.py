@@ -18,7 +18,6 @@ import torch
 
 import graphspec
 from graphspec.engine import Engine
-from tests.checkpoints import make_checkpoint
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -37,12 +36,8 @@ def _serving(engine):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    target_dir = make_checkpoint(root / "target", "qwen2", hidden_size=96, layers=2, heads=6, kv_heads=2, seed=0,
-                                 chat_template="chatml")
-    draft_dir = make_checkpoint(root / "draft", "qwen2", hidden_size=64, layers=1, heads=4, kv_heads=2, seed=1,
-                                chat_template="chatml")
+def tiny(tiny_pair_dirs):
+    target_dir, draft_dir = tiny_pair_dirs
     target = graphspec.load_model(target_dir)
     draft = graphspec.load_model(draft_dir)
     return {"dirs": (target_dir, draft_dir),
