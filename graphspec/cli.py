@@ -552,6 +552,16 @@ def _cmd_bench(args) -> int:
             return "\n".join(m["content"] for m in item["messages"])
         return item["prompt"]
 
+    for n, item in enumerate(prompts):  # every prompt encodes (ids in the vocabulary, fits the context) before any run
+        try:
+            ids = spec.encode_prompt(as_prompt(item))
+        except ValueError as e:
+            raise CLIError(f"--prompts {args.prompts}: prompt {n + 1}: {_message(e)}") from None
+        if len(ids) + args.max_new_tokens > target.config.max_position_embeddings:
+            raise CLIError(f"--prompts {args.prompts}: prompt {n + 1} ({len(ids)} tokens) + --max-new-tokens "
+                           f"{args.max_new_tokens} exceeds the target's max_position_embeddings="
+                           f"{target.config.max_position_embeddings}")
+
     # Warm-up (allocation, first-call costs) kept out of the numbers.
     base.run(as_prompt(prompts[0]), max_new_tokens=4, ignore_eos=True)
     spec.run(as_prompt(prompts[0]), max_new_tokens=4, ignore_eos=True)

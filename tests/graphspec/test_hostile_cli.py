@@ -137,6 +137,15 @@ def test_bench_prompt_file_forms_that_are_accepted(tmp_path):
         cli._read_prompts(tmp_path / "bad.txt")
 
 
+def test_bench_checks_every_prompt_encodes_before_measuring(capsys, tiny, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"token_ids": [5, 100000]}\n')
+    rc, out, err = _main(capsys, "bench", "--target", tiny, "--draft", "ngram", "--dtype", "fp32", "--prompts",
+                         prompts)
+    assert_one_error(rc, err, "prompt 2: prompt holds token ids outside [0, 400)")
+    assert "prompt 0" not in out  # nothing was measured
+
+
 def test_bench_runs_token_id_prompts(capsys, tiny, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"token_ids": [5, 6, 7, 8]}\n')
