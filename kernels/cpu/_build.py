@@ -71,9 +71,13 @@ def build(name: str, sources: list[Path], prefix: str, what: str, cflags: list[s
     except ImportError as e:  # pragma: no cover - part of every torch
         raise NativeBuildError(f"torch.utils.cpp_extension is unavailable ({e})") from e
     out = build_dir(sources, prefix, cflags)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / "build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # the cache root is a file, read-only, or not a place for files
+        raise NativeBuildError(f"cannot build {what} in {out} ({e.strerror or e}): set GRAPHSPEC_CACHE to a writable "
+                               f"folder (default ~/.cache/graphspec)") from None
     built = (out / f"{name}.so").exists()
-    fd = os.open(out / "build.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

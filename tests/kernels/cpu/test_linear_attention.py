@@ -283,3 +283,13 @@ def test_failed_build_warns_once_in_auto_and_raises_when_required(monkeypatch):
     finally:
         cpu._auto.cache_clear()  # the next test finds the real builds again
         cpu._env_level.cache_clear()
+
+
+def test_an_unusable_cache_is_a_build_error_naming_graphspec_cache(monkeypatch, tmp_path):
+    from graphspec.kernels.cpu import _build
+
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_text("a file, not a folder")
+    monkeypatch.setenv("GRAPHSPEC_CACHE", str(not_a_folder))
+    with pytest.raises(cpu.NativeBuildError, match="set GRAPHSPEC_CACHE to a writable folder"):
+        _build.build("graphspec_never_built", [_build.INCLUDE / "linear.cpp"], "test", "a test build", [])
