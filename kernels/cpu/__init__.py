@@ -8,7 +8,8 @@
   run every level the machine can execute, not only its best.
 - What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at avx512 and avx2; decode/verify
   attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
-  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at avx512 only. At the torch level
+  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at avx512 only; the GGUF block GEMMs
+  (``qgemm.cpp``, an extension of its own per level: ``qops``) at every C++ level. At the torch level
   the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
 - The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
   builds; a failed build warns once, saying why, and the next level down is used) or a level's name (that
@@ -34,7 +35,7 @@ import torch
 from graphspec.kernels.cpu._build import CFLAGS, NativeBuildError, build
 
 __all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_vnni", "level",
-           "ops", "runnable_levels", "set_level", "supported_levels", "use_level"]
+           "ops", "qops", "runnable_levels", "set_level", "supported_levels", "use_level"]
 
 ENV = "GRAPHSPEC_CPU"
 LEVELS = ("avx512", "avx2", "generic", "torch")
@@ -55,9 +56,10 @@ _FLAGS = {
 }
 
 KERNELS = {
-    "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward"),
-    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward"),
-    "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward"),
+    "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward",
+               "GGUF block GEMMs (FMA)"),
+    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)"),
+    "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward", "GGUF block GEMMs (scalar)"),
     "torch": (),
 }
 """Which C++ kernels each level runs; everything else takes the op's torch path."""
