@@ -288,6 +288,7 @@ inline void chunk(VF w, const float* x, int64_t ldx, int off, VF* acc) {
 // index lane, so the low nibbles need no mask): one shuffle instead of a convert, a multiply and an add.
 inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 inline VF lookup(VI idx, __m512 table) { return {_mm512_permutexvar_ps(idx.v, table)}; }
+inline VF q6(__m128i q, float ds) { return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(ds))}; }
 #endif
 
 template <int T, int M>
@@ -371,6 +372,32 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
     const float d = h2f(p + 208);
     float ds[16];
     for (int j = 0; j < 16; ++j) ds[j] = d * static_cast<float>(scales[j]);
+#if GS_AVX512
+    // 64 quants at a time in byte lanes (nibbles, the two high bits, minus 32), then 16 widened per chunk
+    const __m512i m0f = _mm512_set1_epi8(0x0F), m03 = _mm512_set1_epi8(0x03), b32 = _mm512_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_loadu_si512(ql + 64 * h);
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(hb), hb, 1);
+      // groups s = 0, 1 (low nibbles of ql bytes 0..31, 32..63; qh bits 0-1, 2-3), then s = 2, 3 (high nibbles;
+      // qh bits 4-5, 6-7): a 64-bit lane shift then & 3 keeps each byte's own two bits
+      const __m512i hl = _mm512_and_si512(_mm512_srlv_epi64(hh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m03);
+      const __m512i hu = _mm512_and_si512(_mm512_srlv_epi64(hh, _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6)), m03);
+      const __m512i qa = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(l, m0f), _mm512_slli_epi16(hl, 4)), b32);
+      const __m512i qb = _mm512_sub_epi8(
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f), _mm512_slli_epi16(hu, 4)), b32);
+      const int g = 4 * h;
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 0), ds[2 * g]), x, ldx, 32 * g, acc);
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 1), ds[2 * g + 1]), x, ldx, 32 * g + 16, acc + M);
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 2), ds[2 * g + 2]), x, ldx, 32 * g + 32, acc);
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 3), ds[2 * g + 3]), x, ldx, 32 * g + 48, acc + M);
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 0), ds[2 * g + 4]), x, ldx, 32 * g + 64, acc);
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 1), ds[2 * g + 5]), x, ldx, 32 * g + 80, acc + M);
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 2), ds[2 * g + 6]), x, ldx, 32 * g + 96, acc);
+      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 3), ds[2 * g + 7]), x, ldx, 32 * g + 112, acc + M);
+    }
+    return;
+#endif
     for (int h = 0; h < 2; ++h) {
       const VI hb0 = load_u8(qh + 32 * h), hb1 = load_u8(qh + 32 * h + 16);
       // groups in increasing k (each lane's sum runs in k order): group s of this half takes the low (s < 2) or
