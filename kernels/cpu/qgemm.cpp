@@ -323,6 +323,27 @@ inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, in
     uint32_t qh;
     std::memcpy(&qh, p + off, 4);
     const VI raw = load_u8(p + off + 4);
+#if GS_AVX512
+    {  // the block's 32 possible weights as two tables; the fifth bit set from qh as a mask, vpermt2ps looks up
+      const __m512 iota = iota16(), dv = _mm512_set1_ps(d), sixteen = _mm512_set1_ps(16.0f);
+      __m512 t0, t1;
+      if constexpr (T == Q5_0) {
+        t0 = _mm512_mul_ps(dv, _mm512_sub_ps(iota, sixteen));  // q = 0..15: d * (q - 16)
+        t1 = _mm512_mul_ps(dv, iota);                          // q = 16..31
+      } else {
+        const __m512 mv = _mm512_set1_ps(h2f(p + 2));
+        t0 = _mm512_add_ps(_mm512_mul_ps(dv, iota), mv);
+        t1 = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_add_ps(iota, sixteen)), mv);
+      }
+      const __m512i lo = _mm512_and_si512(raw.v, _mm512_set1_epi32(0xF)), hi = _mm512_srli_epi32(raw.v, 4);
+      const __m512i s16 = _mm512_set1_epi32(16);
+      const __m512i i0 = _mm512_mask_or_epi32(lo, static_cast<__mmask16>(qh & 0xFFFF), lo, s16);
+      const __m512i i1 = _mm512_mask_or_epi32(hi, static_cast<__mmask16>(qh >> 16), hi, s16);
+      chunk<M>(VF{_mm512_permutex2var_ps(t0, i0, t1)}, x, ldx, 0, acc);
+      chunk<M>(VF{_mm512_permutex2var_ps(t0, i1, t1)}, x, ldx, 16, acc + M);
+      return;
+    }
+#endif
     const VI lo = or_(and_(raw, 0xF), sll(bits16(qh), 4)), hi = or_(srl(raw, 4), sll(bits16(qh >> 16), 4));
     if constexpr (T == Q5_0) {
       chunk<M>(mul(cvt(sub(lo, 16)), d), x, ldx, 0, acc);
