@@ -12,8 +12,8 @@ so load drift on a shared machine hits all methods alike. Target Qwen2.5-Coder-1
 (greedy, each request stops at EOS or --max-new-tokens; every method must give the autoregressive
 tokens); model draft Qwen2.5-Coder-0.5B-Instruct with int8 weights and the library's defaults.
 Reported per workload and method: tokens per target forward (generated tokens / verify steps) and
-x our autoregressive (its seconds / the method's, prefill included). One JSON line per workload and
-method is appended to perf/workloads.jsonl, with the machine.
+x our autoregressive (its seconds / the method's, prefill included, and after the prompt only). One
+JSON line per workload and method is appended to perf/workloads.jsonl, with the machine.
 
 ``--save-outputs`` keeps the autoregressive outputs; ``--replay`` feeds them to a ``SuffixDrafter`` with
 no model at all (greedy acceptance is known from the target's own output: a proposal's accepted length is
@@ -81,8 +81,8 @@ def make_pipelines(target, draft, methods, ks) -> dict:
 
 def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> dict:
     names = list(pipes)
-    runs = {n: {"tokens": 0, "steps": 0, "seconds": 0.0, "proposed": 0, "accepted": 0, "draft_forwards": 0,
-                "differ": 0} for n in names}
+    runs = {n: {"tokens": 0, "steps": 0, "seconds": 0.0, "decode_seconds": 0.0, "proposed": 0, "accepted": 0,
+                "draft_forwards": 0, "differ": 0} for n in names}
     outputs = []
     for i, ids in enumerate(prompts):
         order = names[i % len(names):] + names[:i % len(names)]
@@ -96,6 +96,7 @@ def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> di
             r["tokens"] += len(out.token_ids)
             r["steps"] += out.stats.steps
             r["seconds"] += dt
+            r["decode_seconds"] += out.stats.decode_seconds
             r["proposed"] += out.stats.proposed
             r["accepted"] += out.stats.accepted
             r["draft_forwards"] += out.stats.draft_forwards
@@ -117,6 +118,9 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                "tokens_per_target_forward": r["tokens"] / r["steps"] if r["steps"] else 0.0,
                "tok_s": r["tokens"] / r["seconds"] if r["seconds"] else 0.0,
                "x_autoregressive": (ar["seconds"] / r["seconds"]) if ar and r["seconds"] else None,
+               # after the prompt: long prompts with short answers (the agent loop) are mostly prefill otherwise
+               "x_autoregressive_decode": (ar["decode_seconds"] / r["decode_seconds"])
+               if ar and r.get("decode_seconds") else None,
                "acceptance": r["accepted"] / r["proposed"] if r["proposed"] else 0.0,
                "draft_forwards": r["draft_forwards"], "prompts_differing_from_ar": r["differ"],
                "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
