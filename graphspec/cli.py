@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -230,29 +229,12 @@ def _dtype(name: str, device):
     return auto_dtype(device)
 
 
-def _cpu_has_bf16() -> bool:
-    """True when bf16 weights run at about memory speed here: the CPU backend's level has a bf16 linear (avx512,
-    avx2: graphspec.kernels.cpu), or the CPU has native bf16 dot products (AMX) for oneDNN."""
-    from graphspec.kernels import cpu
-
-    if cpu.bf16_linear():
-        return True
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
-
-
 def auto_dtype(device):
-    """bf16 on CUDA and on CPUs where bf16 weights run at memory speed (graphspec's bf16 linear at the avx512 and
-    avx2 levels, or native bf16); fp32 elsewhere (emulated bf16 would be slower than fp32)."""
-    import torch
+    """--dtype auto, by the rule ``Pipeline(dtype="auto")`` uses (graphspec.defaults): bf16 on CUDA and on CPUs where
+    bf16 weights run at memory speed, fp32 elsewhere."""
+    from graphspec import defaults
 
-    if device.type == "cuda" or (device.type == "cpu" and _cpu_has_bf16()):
-        return torch.bfloat16
-    return torch.float32
+    return defaults.auto_dtype(device)
 
 
 def _gguf(path_or_name: str, weights: str) -> bool:

@@ -14,22 +14,50 @@ each is the setting the end-to-end benchmarks measured fastest (perf/RESULTS.md,
 - ``draft_confidence_threshold="auto"``: a draft stops proposing once its own probability of a token falls
   below ``SAME_VOCAB_CONFIDENCE`` (the target's tokenizer) or ``CROSS_VOCAB_CONFIDENCE`` (another tokenizer,
   whose shorter tokens carry less text each, so its chains pay to run deeper).
+- ``dtype="auto"`` (the CLI's ``--dtype auto``; ``Pipeline(dtype="auto")``): bf16 on CUDA and on CPUs where bf16
+  weights run at memory speed, fp32 elsewhere (emulated bf16 would be slower than fp32). ``Pipeline``'s own
+  default stays the checkpoint's dtype, so a model loads as stored unless asked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import re
+
 import torch
 
 from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB
 
 __all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "SAME_VOCAB_CONFIDENCE", "CROSS_VOCAB_CONFIDENCE",
-           "DraftChoices", "draft_quantize", "draft_siblings", "confidence_threshold"]
+           "DraftChoices", "draft_quantize", "draft_siblings", "confidence_threshold", "auto_dtype"]
 
 SAME_VOCAB_CONFIDENCE = 0.4
 CROSS_VOCAB_CONFIDENCE = 0.3
 QUANTIZE_CHOICES = ("auto", "int8", "int4", None, "none")
+
+
+def cpu_has_bf16() -> bool:
+    """True when bf16 weights run at about memory speed here: the CPU backend's level has a bf16 linear (avx512,
+    avx2: graphspec.kernels.cpu), or the CPU has native bf16 dot products (AMX) for oneDNN."""
+    from graphspec.kernels import cpu
+
+    if cpu.bf16_linear():
+        return True
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def auto_dtype(device) -> torch.dtype:
+    """dtype "auto": bf16 on CUDA and on CPUs where bf16 weights run at memory speed, fp32 elsewhere."""
+    kind = torch.device(device).type
+    if kind == "cuda" or (kind == "cpu" and cpu_has_bf16()):
+        return torch.bfloat16
+    return torch.float32
 
 
 def draft_quantize(choice, device, loads_draft: bool = True) -> str | None:

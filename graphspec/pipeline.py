@@ -214,7 +214,8 @@ class Pipeline:
     """Speculative decoding with a draft (a model, ``"ngram"``, or a drafter stage), or plain decoding.
 
     ``target`` / ``draft``: a checkpoint directory, a zoo name, or a loaded graphspec model
-    (strings load with ``dtype``, ``device``, ``backend``; a string draft goes to the target's
+    (strings load with ``dtype``, ``device``, ``backend``; ``dtype="auto"`` is the CLI's rule, bf16 where bf16
+    weights run at memory speed; a string draft goes to the target's
     device). ``draft="ngram"`` is prompt lookup with ``max_ngram``; a ``Stage`` is used as the
     drafter as is. ``acceptance``: None (``RejectionSampling``, exact match at temperature 0),
     ``"greedy"``, ``"rejection"`` or a ``Stage``. ``vocab_mapping``: for a draft with another tokenizer,
@@ -274,6 +275,8 @@ class Pipeline:
         threshold = check_confidence_threshold(draft_confidence_threshold, allow_auto=True)
         if vocab_mapping not in VOCAB_MAPPING_MODES:
             raise ValueError(f"vocab_mapping={vocab_mapping!r} is not one of {VOCAB_MAPPING_MODES}")
+        if isinstance(dtype, str) and dtype == "auto":  # the CLI's --dtype auto (graphspec.defaults)
+            dtype = _defaults.auto_dtype(device or "cpu")
         self.target = _load(target, "target", dtype, device, backend, weights=target_weights)
         self.vocab_mapping = vocab_mapping
         self.draft = None  # the draft model, when there is one

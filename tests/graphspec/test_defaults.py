@@ -92,6 +92,12 @@ def test_a_custom_acceptance_rule_gets_a_chain_by_default(ckpts):
         graphspec.Pipeline(ckpts["target"], ckpts["draft"], dtype=torch.float32, acceptance="greedy", draft_siblings=2)
 
 
+def test_dtype_auto_is_the_clis(ckpts):
+    pipe = graphspec.Pipeline(ckpts["target"], dtype="auto")
+    assert pipe.target.dtype == cli._dtype("auto", torch.device("cpu")) == defaults.auto_dtype("cpu")
+    assert graphspec.Pipeline(ckpts["target"]).target.dtype == torch.float32  # None: as the checkpoint stores it
+
+
 def test_auto_quantization_is_a_cpu_rule():
     assert defaults.draft_quantize("auto", "cpu") == "int8"
     assert defaults.draft_quantize("auto", "cpu", loads_draft=False) is None
