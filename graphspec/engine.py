@@ -276,8 +276,9 @@ class SpeculationPolicy:
     included); the step costs k draft forwards for the n running sequences plus one target forward of about
     ``n (k + 1)`` rows, read from the measured ``CostTable``; the sequences share the step, so one k serves
     them all (``choose_batch``: the sum of their expected tokens over the step's seconds). k = 0 is a plain
-    decode step. Each ``a`` is that sequence's acceptance so far, starting from ``prior`` (as ``prior_weight``
-    proposals) so that one unlucky step does not switch a sequence off.
+    decode step. Each ``a`` is that sequence's acceptance so far at each draft position (a draft tree's
+    siblings count where they stand), starting from ``prior`` (as ``prior_weight`` proposals) so that one
+    unlucky step does not switch a sequence off.
     """
 
     def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 4.0):
@@ -292,16 +293,28 @@ class SpeculationPolicy:
         """The k for one sequence, as if each of the ``running`` sequences drafted like it."""
         return self.choose_batch(max_k, [self.acceptance(accepted, proposed)] * max(running, 1))
 
-    @staticmethod
-    def expected_tokens(a: float, k: int) -> float:
-        """Tokens a step of k drafts at acceptance ``a`` yields: 1 + a + ... + a^k."""
-        a = min(max(a, 0.0), 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
+    def position_rates(self, accepted_per_position: Sequence[int], proposed_per_position: Sequence[int]
+                       ) -> list[float]:
+        """A sequence's acceptance at each draft position (that a proposal there is kept, given it was made),
+        each from the same prior: drafts grow less sure with depth, and a draft tree keeps more than a chain."""
+        return [self.acceptance(a, n) for a, n in zip(accepted_per_position, proposed_per_position)]
 
-    def choose_batch(self, max_k: int, acceptances: Sequence[float], fixed_rows: int = 0,
+    @staticmethod
+    def expected_tokens(a, k: int) -> float:
+        """Tokens a step of k drafts yields: 1 + a1 + a1 a2 + ... for acceptance ``a`` per position (a list),
+        or 1 + a + ... + a^k for one acceptance at every position (a float)."""
+        total, reach = 1.0, 1.0
+        for i in range(k):
+            rate = a if isinstance(a, (int, float)) else (a[i] if i < len(a) else (a[-1] if a else 0.0))
+            reach *= min(max(float(rate), 0.0), 0.999)
+            total += reach
+        return total
+
+    def choose_batch(self, max_k: int, acceptances: Sequence, fixed_rows: int = 0,
                      fixed_tokens: float = 0.0) -> int:
         """The one k for a batch whose sequences share every step: the most expected tokens of all of them per
-        second of the step. ``fixed_rows`` / ``fixed_tokens``: the verify rows and expected tokens of sequences
+        second of the step. ``acceptances``: per sequence, one acceptance or one per draft position (see
+        ``expected_tokens``). ``fixed_rows`` / ``fixed_tokens``: the verify rows and expected tokens of sequences
         that draft their K whatever (sampled ones)."""
         n = max(len(acceptances), 1)
         best_k, best = 0, -1.0
@@ -493,7 +506,7 @@ class Engine:
             return k
         with self._lock:
             running = list(self._stats.values())
-        rates = [(policy.acceptance(sum(s.accepted_per_position), sum(s.proposed_per_position)), is_greedy)
+        rates = [(policy.position_rates(s.accepted_per_position, s.proposed_per_position), is_greedy)
                  for s, is_greedy in running]
         sampled = [a for a, is_greedy in rates if not is_greedy]
         return policy.choose_batch(k, [a for a, is_greedy in rates if is_greedy], fixed_rows=len(sampled) * (k + 1),

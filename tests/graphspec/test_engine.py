@@ -315,3 +315,16 @@ def test_sampling_through_the_engine_matches_the_target_distribution():
     for seed in (0, 1, 777, 1999):
         assert samples[seed].tolist() == pipe.run(PROMPT, max_new_tokens=3, temperature=1.0, seed=seed,
                                                   ignore_eos=True).token_ids
+
+
+def test_expected_tokens_per_position():
+    p = SpeculationPolicy(CostTable(target={1: 1.0}))
+    assert p.expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert p.expected_tokens([0.9, 0.5, 0.1], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.045)
+    assert p.expected_tokens([0.9, 0.5], 0) == 1.0
+    # a sequence sure at the first position and unsure past it drafts short
+    costs = CostTable(target={1: 1.0, 64: 1.5}, draft={1: 0.1, 64: 0.1})
+    policy = SpeculationPolicy(costs)
+    assert policy.choose_batch(5, [[0.95, 0.05, 0.05, 0.05, 0.05]]) == 1
+    assert policy.choose_batch(5, [[0.95] * 5]) == 5
+    assert policy.position_rates([10, 0], [10, 0]) == [pytest.approx(12.4 / 14), pytest.approx(0.6)]
