@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from array import array
 from pathlib import Path
 
@@ -234,6 +235,9 @@ class SuffixStore:
         self.docs: list[list[int]] = []
         self.automaton = SuffixAutomaton()
         self.evictions = 0
+        # Held while the automaton is extended or read: the batched engine runs generations in threads, and a
+        # walk must not see a half-made extension.
+        self.lock = threading.RLock()
 
     @property
     def num_tokens(self) -> int:
@@ -250,6 +254,10 @@ class SuffixStore:
                              "the target's); give each target tokenizer its own SuffixStore")
 
     def add(self, tokens) -> None:
+        with self.lock:
+            self._add(tokens)
+
+    def _add(self, tokens) -> None:
         doc = [int(t) for t in tokens]
         if not doc:
             return
@@ -283,10 +291,12 @@ class SuffixStore:
         """Write the store as JSON (atomically: a temporary file, then a rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}-{threading.get_ident()}")
+        with self.lock:
+            docs = [list(d) for d in self.docs]
         tmp.write_text(json.dumps({"format": "graphspec-suffix-store", "version": self.VERSION,
                                    "max_tokens": self.max_tokens, "tokenizer_fingerprint": self.fingerprint,
-                                   "docs": self.docs}))
+                                   "docs": docs}))
         os.replace(tmp, path)
 
     @classmethod
@@ -423,9 +433,10 @@ class SuffixDrafter(Stage):
         sam = SuffixAutomaton()
         sam.extend_all(state.tokens)
         m = (0, 0)
-        g = self.store.automaton
-        for t in state.tokens:
-            m = g.walk(*m, t)
+        with self.store.lock:
+            g = self.store.automaton
+            for t in state.tokens:
+                m = g.walk(*m, t)
         state.scratch(self).update(local=sam, match=m, automaton=g, proposed_from=None)
         state.run.extra.setdefault("suffix", {"steps": 0, "proposals": 0, "local": 0, "global": 0,
                                               "match_tokens": 0})
@@ -460,6 +471,10 @@ class SuffixDrafter(Stage):
 
     def propose(self, state, k: int) -> tuple[list[int], list[int], list[float], list[int], int]:
         """The tree for this step: ``(tokens, parents, scores, counts, match length)``, parents -1 for the root."""
+        with self.store.lock:
+            return self._propose(state, k)
+
+    def _propose(self, state, k: int) -> tuple[list[int], list[int], list[float], list[int], int]:
         sc = self._sync(state)
         sam: SuffixAutomaton = sc["local"]
         best = ([], [], [], [], 0)

@@ -328,3 +328,19 @@ def test_expected_tokens_per_position():
     assert policy.choose_batch(5, [[0.95, 0.05, 0.05, 0.05, 0.05]]) == 1
     assert policy.choose_batch(5, [[0.95] * 5]) == 5
     assert policy.position_rates([10, 0], [10, 0]) == [pytest.approx(12.4 / 14), pytest.approx(0.6)]
+
+
+def test_suffix_drafts_share_their_store_across_batched_sequences(tiny_dirs):
+    """Suffix drafting in the engine: the sequences' outputs go into one store from several worker threads (under
+    its lock) while others read it, and every greedy output is the target's own."""
+    target = graphspec.load_model(tiny_dirs[0])
+    plain = graphspec.Pipeline(target)
+    pipe = graphspec.Pipeline(target, "suffix", num_speculative_tokens=4)
+    prompts = ["abc abc abc abc", "the cat sat on the mat, the cat sat", "x y z x y z x y", "hello hello hello"] * 3
+    want = [plain.run(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    engine = Engine(pipe, max_batch=6, policy="off")
+    got = [s.result(timeout=120) for s in [engine.submit(p, max_new_tokens=24, ignore_eos=True) for p in prompts]]
+    assert [r.token_ids for r in got] == want
+    store = pipe.graph["draft"].store
+    assert store.num_tokens >= 24 * len(prompts)  # every finished sequence was learned
+    assert sum(r.stats.accepted for r in got) > 0
