@@ -6,7 +6,9 @@ cost of verify rows at the current batch size) a server runs in this process on 
 load generator (the openai client) keeps N streams in flight for N in ``--concurrency``, each request 128 new
 tokens of a held-out-style prompt (perf/prompts.json, cycled), greedy. Per N it reports output tokens per
 second over the level's wall time, time to first token and time per output token (p50, p95), acceptance and
-tokens per target forward, then whether every output equals the plain configuration's (it must: greedy).
+tokens per target forward, then whether every output equals the plain configuration's (it must: greedy). Each
+configuration first runs its concurrency-1 requests through ``Pipeline.run`` alone, the figure serving at
+concurrency 1 is compared with (``x_pipeline_run``).
 
     python perf/serve_bench.py --threads 2                     # 1.5B target, 0.5B draft, N = 1 2 4 8 16
     python perf/serve_bench.py --draft smollm2-135m-instruct --concurrency 1 4 --max-tokens 64
@@ -168,6 +170,13 @@ def main(argv=None) -> int:
                         policy="auto" if config == "policy" else "off")
         if config == "policy":
             engine.policy()  # the cost table, measured before the clock starts
+        # the same requests through Pipeline.run, one after another: what serving at concurrency 1 is held to
+        n_alone = args.requests or min(args.concurrency)
+        t0 = time.perf_counter()
+        alone_tokens = sum(len(pipe.run(prompts[i % len(prompts)], max_new_tokens=args.max_tokens).token_ids)
+                           for i in range(n_alone))
+        alone = alone_tokens / (time.perf_counter() - t0)
+        print(f"{config:>7} Pipeline.run {alone:7.2f} tok/s", file=sys.stderr, flush=True)
         levels = []
         with background(engine, "bench") as url:
             for n in args.concurrency:
@@ -177,6 +186,10 @@ def main(argv=None) -> int:
                       f"tpot p50 {1000 * (lv['tpot_p50'] or 0):.0f} ms  acceptance {lv['acceptance']}  "
                       f"tokens/forward {lv['tokens_per_target_forward']}", file=sys.stderr, flush=True)
         report["results"][config] = levels
+        report.setdefault("pipeline_run", {})[config] = alone
+        for lv in levels:
+            if lv["concurrency"] == 1:
+                lv["x_pipeline_run"] = lv["tokens_per_second"] / alone
     base = {lv["concurrency"]: lv for lv in report["results"].get("plain", [])}
     for config, levels in report["results"].items():
         for lv in levels:
