@@ -3,8 +3,8 @@
 //
 // Why: a verify's query row must come out bit-identical to the one-token step at its position, or bf16 greedy
 // speculative output drifts from autoregressive. Torch's CPU SDPA rounds a row differently by how many rows
-// share its call, so the torch path ran each verify row as its own SDPA call (graphspec.kernels._attention_cpu):
-// on the Qwen2.5-1.5B target with 2 threads that cost 16-22 ms of a 6-8 row verify (perf/RESULTS.md section S).
+// share its call, so the torch path ran each verify row as its own SDPA call (graphspec.kernels._attention_cpu),
+// a call per row that costs a noticeable share of a verify (perf/RESULTS.md).
 // Here every (batch, kv head, row) is computed by the same loop over exactly the keys that row sees, in the
 // order a one-token step's cache holds them: the cached keys, then the row's path through the new ones (with a
 // tree: its ancestors and itself; a chain: new keys 0..j). Nothing depends on the other rows or on the thread

@@ -3,8 +3,8 @@
 // (int8_draft.cpp, set_gemm("int4")). Header-only, beside int8_gemm.h, whose activation
 // rounding it shares.
 //
-// Why: a draft forward on one core is a stream of its weights (the pruned Qwen2.5-0.5B reads about 420 MB of
-// int8 a token, 25 ms at the AMD EPYC's 22-28 GB/s). In 4 bits, with one fp32 scale per 64 weights, the
+// Why: a draft forward on one core is a stream of its weights (each one-token step reads every weight once, so
+// its time is its bytes over the memory bandwidth). In 4 bits, with one fp32 scale per 64 weights, the
 // stream is 0.5625 bytes a weight instead of 1. A draft may compute anything without breaking losslessness;
 // what 4 bits cost is acceptance (perf/RESULTS.md has both).
 //

@@ -6,9 +6,9 @@
 // What it computes: int8 weights (symmetric, one fp32 scale per output row) times fp32 activations, each
 // weight widened to fp32 in registers: y[m, n] = s_n * sum_k q[n, k] * x[m, k], fp32 sums. The activations are
 // not rounded. Why: rounding them to 8 bits a row (what this GEMM did before, and what fbgemm does per call)
-// made SmolLM2-135M a poor draft, its greedy choice agreeing with its float self on 92% of real text, because
-// real activations have outliers (one channel at 486 where most are near 0.3) that take a row's whole range;
-// with the weights alone in int8 it agrees on 96-97% (tests/models/test_draft_quality.py). A decode step reads
+// made SmolLM2-135M a poor draft (its greedy choice agreed with its float self clearly less often), because
+// real activations have outlier channels, far above the rest, that take a row's whole range; with the weights
+// alone in int8 it stays a good draft (tests/models/test_draft_quality.py; figures in perf/RESULTS.md). A decode step reads
 // one byte a weight either way, which is what bounds it; products of several rows cost more arithmetic than
 // with 8-bit activations, a small part of a draft's time (its steps are mostly one row).
 //
