@@ -32,6 +32,7 @@ from typing import Iterator
 
 import torch
 
+from graphspec.kernels.cpu import _build
 from graphspec.kernels.cpu._build import CFLAGS, NativeBuildError, build
 
 __all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_vnni", "level",
@@ -109,19 +110,25 @@ def _load(name: str) -> None:
         raise NativeBuildError(f"the {name} build compiled as level {got!r}: the compiler ignored {_FLAGS[name]}")
 
 
-_failed: dict[str, NativeBuildError] = {}
+_failed: dict[tuple[str, str], NativeBuildError] = {}  # (level, cache root) -> why it did not build
 _warned: set[str] = set()
 
 
+def _failure(name: str) -> NativeBuildError | None:
+    """Why level ``name`` did not build under the cache root in force, if it was tried there and failed."""
+    return _failed.get((name, str(_build._cache_root())))
+
+
 def _builds(name: str) -> bool:
-    """Whether level ``name`` (a C++ level this CPU supports) is built and loaded; tried once per process."""
-    if name in _failed:
+    """Whether level ``name`` (a C++ level this CPU supports) is built and loaded; tried once per process and
+    cache root (a build that failed in an unusable GRAPHSPEC_CACHE is tried again under another)."""
+    if _failure(name) is not None:
         return False
     try:
         _load(name)
         return True
     except NativeBuildError as e:
-        _failed[name] = e
+        _failed[(name, str(_build._cache_root()))] = e
         return False
 
 
@@ -141,14 +148,19 @@ def _check_name(name: str, source: str) -> str:
     return name
 
 
-@functools.cache
 def _auto() -> str:
+    return _auto_in(str(_build._cache_root()))
+
+
+@functools.cache
+def _auto_in(root: str) -> str:
+    """auto's level, found once per process and cache root (where the builds live)."""
     for lv in supported_levels():
         if lv == "torch" or _builds(lv):
             return lv
         if lv not in _warned:
             _warned.add(lv)
-            warnings.warn(f"graphspec: the {lv} level of the C++ CPU backend cannot be used ({_failed[lv]}); "
+            warnings.warn(f"graphspec: the {lv} level of the C++ CPU backend cannot be used ({_failure(lv)}); "
                           f"trying the next level down. Install g++ and ninja to build it, or set {ENV} to a "
                           "lower level (or torch) to choose one and silence this", RuntimeWarning, stacklevel=3)
     return "torch"
@@ -160,7 +172,7 @@ def _required(name: str, source: str) -> str:
                          f"{', '.join(supported_levels())}")
     if name != "torch" and not _builds(name):
         raise NativeBuildError(f"{source}={name} requires graphspec's C++ CPU backend at that level, but "
-                               f"{_failed[name]}. Install a C++ compiler (g++) and ninja, or use {ENV}=auto")
+                               f"{_failure(name)}. Install a C++ compiler (g++) and ninja, or use {ENV}=auto")
     return name
 
 

@@ -263,7 +263,7 @@ def test_failed_build_warns_once_in_auto_and_raises_when_required(monkeypatch):
     monkeypatch.setattr(cpu, "_load", fail)
     monkeypatch.setattr(cpu, "_failed", {})
     monkeypatch.setattr(cpu, "_warned", set())
-    cpu._auto.cache_clear()
+    cpu._auto_in.cache_clear()
     cpu._env_level.cache_clear()
     try:
         monkeypatch.setenv(cpu.ENV, "generic")
@@ -281,7 +281,7 @@ def test_failed_build_warns_once_in_auto_and_raises_when_required(monkeypatch):
                 assert_close(attention(q, q, q), attention_ref(q, q, q), 1e-6, 1e-6, name="torch rows")
         assert builds and len(builds) == len(set(builds))  # each level tried once per process, not at every call
     finally:
-        cpu._auto.cache_clear()  # the next test finds the real builds again
+        cpu._auto_in.cache_clear()  # the next test finds the real builds again
         cpu._env_level.cache_clear()
 
 
@@ -293,3 +293,17 @@ def test_an_unusable_cache_is_a_build_error_naming_graphspec_cache(monkeypatch, 
     monkeypatch.setenv("GRAPHSPEC_CACHE", str(not_a_folder))
     with pytest.raises(cpu.NativeBuildError, match="set GRAPHSPEC_CACHE to a writable folder"):
         _build.build("graphspec_never_built", [_build.INCLUDE / "linear.cpp"], "test", "a test build", [])
+
+
+def test_a_build_failed_under_an_unusable_cache_is_tried_again_under_a_good_one(monkeypatch, tmp_path):
+    """A level that could not build because GRAPHSPEC_CACHE was unusable builds once the cache is usable again
+    (the failure is remembered per cache root, not for the whole process)."""
+    bad = tmp_path / "file"
+    bad.write_text("not a folder")
+    monkeypatch.setattr(cpu, "_failed", {})
+    monkeypatch.setattr(cpu, "_load", lambda name: (_ for _ in ()).throw(cpu.NativeBuildError("cannot build"))
+                        if str(cpu._build._cache_root()) == str(bad) else None)
+    monkeypatch.setenv("GRAPHSPEC_CACHE", str(bad))
+    assert not cpu._builds("generic")
+    monkeypatch.delenv("GRAPHSPEC_CACHE")
+    assert cpu._builds("generic")
