@@ -97,17 +97,22 @@ def _missing(name: str) -> str:
     return "this CPU lacks " + ", ".join(lacking)
 
 
+def _load_extension(name: str, ns: str, sources: list[Path], prefix: str, what: str, flags: list[str]) -> None:
+    """Build (or reuse) and load one extension of level ``name`` in op namespace ``ns``, and check that it was
+    compiled as that level; NativeBuildError says why not."""
+    if hasattr(getattr(torch.ops, ns), "level"):  # loaded already (a library registers its ops once a process)
+        return
+    build(ns, sources, prefix, what, CFLAGS + _FLAGS[name] + flags + [f"-DGS_NS={ns}"])
+    got = getattr(torch.ops, ns).level()
+    if got != name:
+        raise NativeBuildError(f"{what} compiled as level {got!r}: the compiler ignored {_FLAGS[name]}")
+
+
 @functools.cache
 def _load(name: str) -> None:
     """Build (or reuse) and load level ``name``'s extension once per process; NativeBuildError says why not."""
-    ns = f"graphspec_cpu_{name}"
-    if hasattr(getattr(torch.ops, ns), "level"):  # loaded already (a library registers its ops once a process)
-        return
-    build(ns, _SOURCES, f"cpu-{name}", f"graphspec's C++ CPU backend at the {name} level",
-          CFLAGS + _FLAGS[name] + [f"-DGS_NS={ns}"])
-    got = getattr(torch.ops, ns).level()
-    if got != name:
-        raise NativeBuildError(f"the {name} build compiled as level {got!r}: the compiler ignored {_FLAGS[name]}")
+    _load_extension(name, f"graphspec_cpu_{name}", _SOURCES, f"cpu-{name}",
+                    f"graphspec's C++ CPU backend at the {name} level", [])
 
 
 _failed: dict[tuple[str, str], NativeBuildError] = {}  # (level, cache root) -> why it did not build
@@ -252,15 +257,8 @@ def _load_q(name: str) -> None:
     Its own extension (``graphspec_cpuq_<level>``), so that editing it rebuilds only itself; -ffp-contract=off
     keeps its dequantization op for op the gguf package's (no fused multiply-adds the source does not ask for).
     """
-    ns = f"graphspec_cpuq_{name}"
-    if hasattr(getattr(torch.ops, ns), "level"):
-        return
-    build(ns, _QSOURCES, f"cpuq-{name}", f"graphspec's C++ block-format GEMMs at the {name} level",
-          CFLAGS + _FLAGS[name] + ["-ffp-contract=off", f"-DGS_NS={ns}"])
-    got = getattr(torch.ops, ns).level()
-    if got != name:
-        raise NativeBuildError(f"the {name} block GEMM build compiled as level {got!r}: the compiler ignored "
-                               f"{_FLAGS[name]}")
+    _load_extension(name, f"graphspec_cpuq_{name}", _QSOURCES, f"cpuq-{name}",
+                    f"graphspec's C++ block-format GEMMs at the {name} level", ["-ffp-contract=off"])
 
 
 def qops(name: str | None = None):
