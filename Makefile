@@ -21,8 +21,11 @@ demo: venv
 	$(VENV)/bin/graphspec run --target qwen2.5-coder-0.5b-instruct --draft smollm2-135m-instruct \
 	    --chat --max-new-tokens 96 "Write a Python function that checks whether a string is a palindrome."
 
+# Two pytest workers (pytest-xdist): most tests run one torch thread, so two processes use both cores of these
+# machines; more workers would each load the real checkpoints (memory). PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS)
 
 bench: venv
 	$(PY) -m pytest perf -q --benchmark-only
