@@ -446,6 +446,23 @@ class ModelDrafter(Stage):
         state.run.draft_forwards += forwards
         state.scratch(self)["cache"] = cache
 
+    def drop_uncommitted(self, state, scratch: dict, cache) -> None:
+        """Cut ``cache`` back to the committed tokens (the pending one stays out) after a chain or tree step."""
+        n = len(state.tokens)
+        if self.siblings:
+            # The target may have taken a sibling where this cache holds the chain's token: keep only
+            # the chain tokens that were committed.
+            start, fed = scratch.get("fed", (n, []))
+            same = 0
+            for a, b in zip(fed, state.tokens[start:n - 1]):
+                if a != b:
+                    break
+                same += 1
+            cache.truncate(min(cache.length, start + same, n - 1))
+        else:
+            # Everything past n - 1 is either the pending token or a rejected draft.
+            cache.truncate(min(cache.length, n - 1))
+
     def draw(self, logits: torch.Tensor, params, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft token from ``logits [1, V]`` fp32: ``(token [1], q [1, V] fp32 or None)``.
 
@@ -476,19 +493,8 @@ class ModelDrafter(Stage):
                 cache.keep(last.base, kept)
             else:
                 cache.truncate(min(cache.length, last.base))
-        elif self.siblings:
-            # The target may have taken a sibling where this cache holds the chain's token: keep only
-            # the chain tokens that were committed.
-            start, fed = scratch.get("fed", (n, []))
-            same = 0
-            for a, b in zip(fed, state.tokens[start:n - 1]):
-                if a != b:
-                    break
-                same += 1
-            cache.truncate(min(cache.length, start + same, n - 1))
         else:
-            # Everything past n - 1 is either the pending token or a rejected draft.
-            cache.truncate(min(cache.length, n - 1))
+            self.drop_uncommitted(state, scratch, cache)
         new = state.token_buffer[cache.length:n].view(1, -1)
         V = run.vocab_size
         if self.beam and state.params.greedy:

@@ -638,17 +638,7 @@ class HybridDrafter(Stage):
         cache = dsc.get("cache")
         if cache is None:
             return
-        n = len(state.tokens)
-        if d.siblings:
-            start, fed = dsc.get("fed", (n, []))
-            same = 0
-            for a, b in zip(fed, state.tokens[start:n - 1]):
-                if a != b:
-                    break
-                same += 1
-            cache.truncate(min(cache.length, start + same, n - 1))
-        else:
-            cache.truncate(min(cache.length, n - 1))
+        d.drop_uncommitted(state, dsc, cache)
         dsc["fed"] = (cache.length, [])
 
     def _catch_up(self, state) -> None:
