@@ -82,6 +82,18 @@ def check_quantize(quantize, backend, device) -> None:
                          f"(AVX-512 VNNI), but the level here is {cpu.level()} ({cpu.ENV}): use quantize='int8'")
 
 
+def _picked_rows(segments, rows, device) -> tuple[torch.Tensor, list[int]]:
+    """The stacked rows whose logits are wanted (each segment's ``rows``, None: all, offset by the rows
+    before it) and how many each segment has."""
+    picked, counts, start = [], [], 0
+    for (_, t, _), r in zip(segments, rows):
+        r = torch.arange(t, device=device) if r is None else r
+        picked.append(r + start)
+        counts.append(r.numel())
+        start += t
+    return torch.cat(picked), counts
+
+
 class Transformer:
     """Weights of one Llama-family model plus the forward pass over them."""
 
@@ -344,13 +356,7 @@ class Transformer:
                     m, h = m[:, rows[0]], h[:, rows[0]]
                 counts = None
             else:
-                picked, counts, start = [], [], 0
-                for (_, t, _), r in zip(segments, rows):
-                    r = torch.arange(t, device=ids.device) if r is None else r
-                    picked.append(r + start)
-                    counts.append(r.numel())
-                    start += t
-                index = torch.cat(picked)
+                index, counts = _picked_rows(segments, rows, ids.device)
                 m, h = m[:, index], h[:, index]
             out, _ = rmsnorm(m, self.norm, c.rms_norm_eps, residual=h)
             logits = linear(out, self.lm_head if head is None else head).float()  # [B, n, V]
@@ -402,24 +408,21 @@ class Transformer:
         every sequence's rows, attention per sequence; each sequence's logits are its own forward's bits."""
         device = self.device
         cos, sin = rope_tables(torch.cat(positions, dim=1), self.inv_freq, self.rope_attention_scaling)
-        masks, picked, counts, start = [], [], [], 0
-        for (cache, t, tree), r in zip(segments, rows):
+        masks = []
+        for cache, t, tree in segments:
             if tree is None:
                 masks.append(torch.empty(0, dtype=torch.bool))
             else:
                 check_tree(tree, t, cache.length + t, device)
                 masks.append(tree_mask(tree, cache.length + t))
-            r = torch.arange(t, device=device) if r is None else r
-            picked.append(r + start)
-            counts.append(r.numel())
-            start += t
+        picked, counts = _picked_rows(segments, rows, device)
         head_w = (self.lm_head if head is None else head).native()
         h = F.embedding(torch.cat(ids, dim=1)[0], self.embed).float()  # [N, H]
         kc = [k for cache, _, _ in segments for k in cache.k]
         vc = [v for cache, _, _ in segments for v in cache.v]
         out = int8_draft.draft_for(self).forward_many(
             h, cos.contiguous(), sin.contiguous(), [cache.length for cache, _, _ in segments],
-            [t for _, t, _ in segments], kc, vc, head_w, torch.cat(picked), masks)  # [n, V]
+            [t for _, t, _ in segments], kc, vc, head_w, picked, masks)  # [n, V]
         return [x.unsqueeze(0) for x in out.split(counts)]
 
     def _mlp(self, layer: Layer, x) -> torch.Tensor:
