@@ -36,10 +36,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from graphspec.drafters import ModelDrafter, prefill
+from graphspec.graph import Stage
 from graphspec.kernels import EXACT_ROWS_MAX
 from graphspec.kernels._dispatch import _override, rows_exact
 
-__all__ = ["Engine", "EngineSequence", "QueueFull", "SpeculationPolicy", "CostTable", "FINISHED"]
+__all__ = ["Engine", "EngineSequence", "QueueFull", "SpeculationPolicy", "SequenceView", "CostTable", "FINISHED"]
 
 
 class QueueFull(RuntimeError):
@@ -212,14 +214,97 @@ class _BatchedModel:
         return f"Batched({self.model!r})"
 
 
+class _DeferredDraft(Stage):
+    """A model drafter (``ModelDrafter``, ``CrossVocabDrafter``) whose begin, and so its prefill, waits for the
+    first step that drafts: a greedy sequence the policy keeps plain never prefills the draft at all.
+
+    Sampled sequences begin at once, exactly as ``Pipeline.run`` (their draft's bits are part of their sample).
+    A greedy sequence begins when it first drafts, with every committed token but the pending one prefilled
+    (batched, as a prompt). After steps it did not draft, a same-tokenizer draft catches up the same way, in one
+    batched prefill rather than as the rows of a draft step; a cross-tokenizer draft feeds what it missed
+    itself. Greedy output never depends on the draft's bits, only on the target's.
+    """
+
+    def __init__(self, inner: Stage):
+        super().__init__(inner.name, inner.reads, inner.writes)
+        self.inner = inner
+        self._cross = not isinstance(inner, ModelDrafter)
+
+    def check(self, params) -> None:
+        self.inner.check(params)
+
+    def begin(self, state) -> None:
+        begun = not state.params.greedy
+        state.scratch(self)["begun"] = begun
+        if begun:
+            self.inner.begin(state)
+
+    def run(self, state) -> None:
+        sc = state.scratch(self)
+        if not sc["begun"]:
+            if state.num_draft <= 0:
+                self._empty(state)
+                return
+            self.inner.begin(state)
+            sc["begun"] = True
+        elif state.num_draft > 0 and state.params.greedy and not self._cross:
+            self._catch_up(state)
+        self.inner.run(state)
+
+    def _empty(self, state) -> None:
+        """An empty draft from a drafter that has not begun (what its own run writes for num_draft=0)."""
+        inner = self.inner
+        if self._cross:
+            from graphspec.vocab_stages import resolve_mode
+
+            inner._empty(state)
+            state.scratch(inner)["mode"] = resolve_mode(inner.mode, state.params)  # what the map stage reads
+            return
+        state.draft_ids = torch.empty(1, 0, dtype=torch.int64, device=state.run.device)
+        state.draft_probs = None
+        if inner.tree:
+            state.draft_parents = ()
+
+    def _catch_up(self, state) -> None:
+        """Feed a same-tokenizer draft the committed tokens it missed while not drafting, as one batched prefill."""
+        d = self.inner
+        if d.beam:  # a beam keeps the taken path's cached nodes itself, from its last tree
+            return
+        dsc = state.scratch(d)
+        cache = dsc["cache"]
+        n = len(state.tokens)
+        if n - 1 - cache.length < 2:  # one or two: what a draft step feeds anyway
+            return
+        d.drop_uncommitted(state, dsc, cache)
+        missed = state.tokens[cache.length:n - 1]
+        if len(missed) >= 2:
+            prefill(d.model, cache, missed, state.run.device)
+            state.run.draft_forwards += 1
+        dsc["fed"] = (cache.length, [])
+
+    def __getattr__(self, name):  # end(), store, ... of the drafter it wraps
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _deferrable(stage) -> bool:
+    """Whether the engine may defer ``stage``'s begin (see ``_DeferredDraft``)."""
+    from graphspec.vocab_stages import CrossVocabDrafter
+
+    return type(stage) in (ModelDrafter, CrossVocabDrafter)
+
+
 # ------------------------------------------------------------------------------------------ policy
 
 @dataclass
 class CostTable:
-    """Seconds of one forward by rows: the target's for R verify rows, the draft's for n sequences' tokens."""
+    """Seconds of one forward by rows: the target's for R verify rows, the draft's for n sequences' tokens, and
+    the draft's batched prefill of T tokens (what a sequence that has not been drafting pays to start)."""
 
     target: dict[int, float]
     draft: dict[int, float] = field(default_factory=dict)
+    draft_prefill: dict[int, float] = field(default_factory=dict)
 
     @staticmethod
     def _at(table: dict[int, float], rows: int) -> float:
@@ -237,13 +322,19 @@ class CostTable:
         return self._at(self.target, rows)
 
     def draft_cost(self, rows: int) -> float:
-        return self._at(self.draft, rows)
+        return self._at(self.draft, rows) if rows > 0 else 0.0
+
+    def draft_prefill_cost(self, tokens: int) -> float:
+        """A draft prefill of ``tokens`` tokens (``batched_rows``); 0 for none."""
+        return self._at(self.draft_prefill, tokens) if tokens > 0 else 0.0
 
     @classmethod
     def measure(cls, target, draft=None, rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 2,
-                draft_batched: bool = True) -> "CostTable":
-        """Time forwards on this machine: the target with R rows after a short context, and the draft with
-        one token for n sequences (one forward of n rows where it batches, else n one-token forwards)."""
+                draft_batched: bool = True, prefill_tokens: Sequence[int] = (16, 64, 256)) -> "CostTable":
+        """Time forwards on this machine: the target with R rows after a short context, the draft with one
+        token for n sequences (one forward of n rows where it batches, else n one-token forwards), and the
+        draft's batched prefill of T tokens."""
+        from graphspec.drafters import prefill
 
         def timed(model, n_rows: int) -> float:
             cache = model.new_cache(min(model.config.max_position_embeddings, 16 + n_rows))
@@ -260,16 +351,48 @@ class CostTable:
 
         limit = target.config.max_position_embeddings - 16
         target_t = {r: timed(target, r) for r in rows if r <= limit}
+        def timed_prefill(model, n_tokens: int) -> float:
+            cache = model.new_cache(n_tokens)
+            ids = [0] * n_tokens
+            best = float("inf")
+            for _ in range(repeats):
+                cache.truncate(0)
+                t0 = time.perf_counter()
+                prefill(model, cache, ids, model.device)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
         draft_t: dict[int, float] = {}
+        prefill_t: dict[int, float] = {}
         if draft is not None:
             one = timed(draft, 1)
             for r in rows:
                 draft_t[r] = timed(draft, r) if draft_batched and r > 1 else one * r
-        return cls(target_t, draft_t)
+            for t in prefill_tokens:
+                if t <= draft.config.max_position_embeddings:
+                    prefill_t[t] = timed_prefill(draft, t)
+        return cls(target_t, draft_t, prefill_t)
+
+
+@dataclass
+class SequenceView:
+    """What the policy knows of one running sequence when it plans a step.
+
+    ``rates``: its acceptance per draft position (or one number); ``greedy``: False for a sampled sequence, which
+    drafts K whatever the plan (its seed must give the same sample alone and batched); ``catch_up``: tokens its
+    draft must be fed before it can draft again (its whole context while its draft was never prefilled, the
+    tokens of the steps it did not draft since; 0 when its draft is in step); ``remaining``: tokens it may still
+    produce, over which a catch-up is spread.
+    """
+
+    rates: Sequence[float] | float
+    greedy: bool = True
+    catch_up: int = 0
+    remaining: int = 1 << 30
 
 
 class SpeculationPolicy:
-    """How many tokens the running sequences draft this step: the k in 0..K with the most expected tokens per
+    """How many tokens each running sequence drafts this step: the choice with the most expected tokens per
     second of the step.
 
     A chain of k drafts with acceptance a yields ``1 + a + ... + a^k`` tokens a step (the bonus token
@@ -279,6 +402,11 @@ class SpeculationPolicy:
     decode step. Each ``a`` is that sequence's acceptance so far at each draft position (a draft tree's
     siblings count where they stand), starting from ``prior`` (as ``prior_weight`` proposals) so that one
     unlucky step does not switch a sequence off.
+
+    ``plan`` (what the engine uses) chooses per sequence: a k and the set of greedy sequences that draft it,
+    the others taking a plain step in the same forward. A sequence whose draft is behind (never prefilled, or
+    not fed while it did not draft) joins only if it pays for its catch-up too: the draft's prefill of those
+    tokens, which holds up the whole batch, spread over the steps it has left.
     """
 
     def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 4.0):
@@ -326,8 +454,72 @@ class SpeculationPolicy:
                 best_k, best = k, rate
         return best_k
 
+    def plan(self, max_k: int, sequences: Sequence[SequenceView]) -> list[int]:
+        """The draft length of each of ``sequences`` for the step they share: ``max_k`` for sampled ones, and for
+        greedy ones k or 0, for the one k in 0..max_k and the set of greedy sequences that draft it that give the
+        most expected tokens per second of the step.
+
+        A step where m greedy and s sampled sequences draft costs the draft forwards (k of m + s sequences, then
+        max_k - k of the s sampled ones), one target forward of every sequence's rows (k + 1 for a drafting
+        sequence, 1 for a plain one), and each drafting sequence's catch-up prefill times its share of it this
+        step (its expected tokens over its remaining tokens). For each k the greedy sequences are taken in order
+        of extra tokens per second they add (verify rows at the marginal row cost, plus catch-up), and every
+        prefix of that order is tried: O(max_k n log n).
+        """
+        ks = [0] * len(sequences)
+        if not sequences:
+            return ks
+        greedy = [i for i, q in enumerate(sequences) if q.greedy]
+        sampled = [i for i, q in enumerate(sequences) if not q.greedy]
+        for i in sampled:
+            ks[i] = max_k
+        n, s = len(sequences), len(sampled)
+        s_tokens = sum(self.expected_tokens(sequences[i].rates, max_k) for i in sampled)
+        s_rows = s * (max_k + 1)
+        costs = self.costs
+
+        def seconds(k: int, m: int, catch_up: float) -> float:
+            drafts = k * costs.draft_cost(m + s) + (max_k - k) * costs.draft_cost(s)
+            return drafts + costs.target_cost(len(greedy) - m + m * (k + 1) + s_rows) + catch_up
+
+        base = float(len(greedy)) + s_tokens
+        best, chosen = base / max(seconds(0, 0, 0.0), 1e-12), (0, [])
+        for k in range(1, max_k + 1) if greedy else ():
+            rows_all = len(greedy) * (k + 1) + s_rows
+            row = (costs.target_cost(rows_all) - costs.target_cost(len(greedy) + s_rows)) / max(len(greedy) * k, 1)
+            items = []
+            for i in greedy:
+                q = sequences[i]
+                e = self.expected_tokens(q.rates, k)
+                share = costs.draft_prefill_cost(q.catch_up) * min(e / max(q.remaining, 1), 1.0)
+                items.append((-(e - 1.0) / max(k * row + share, 1e-12), i, e, share))
+            items.sort()
+            tokens, catch_up = base, 0.0
+            for m, (_, i, e, share) in enumerate(items, start=1):
+                tokens += e - 1.0
+                catch_up += share
+                rate = tokens / max(seconds(k, m, catch_up), 1e-12)
+                if rate > best * (1 + 1e-9):
+                    best, chosen = rate, (k, [j for _, j, _, _ in items[:m]])
+        k, who = chosen
+        for i in who:
+            ks[i] = k
+        return ks
+
 
 # ------------------------------------------------------------------------------------------ engine
+
+@dataclass
+class _Running:
+    """A running sequence as the policy sees it (updated by its own worker thread at each step)."""
+
+    greedy: bool
+    max_new: int
+    stats: object = None          # its GenerationStats, once it has taken a step
+    context: int = 0              # committed tokens at its latest step
+    synced: int | None = None     # context when its draft was last in step (None: never prefilled)
+    drafted: bool = False         # whether its latest step drafted
+
 
 FINISHED = object()
 """What ``on_piece`` receives after a sequence's last piece."""
@@ -438,6 +630,14 @@ class Engine:
         self._pipe = pipeline._rebound(swaps)
         self._pipe._draft_budget = self._budget
         self._policy_mode = policy if isinstance(policy, str) else "given"
+        # With the policy on, a greedy sequence's draft is prefilled when it first drafts, not when it starts.
+        self._deferred = False
+        if self._policy_mode != "off":
+            for stage in self._pipe._graph:
+                if _deferrable(stage):
+                    self._pipe._graph = self._pipe._graph.replace(stage.name, _DeferredDraft(stage))
+                    self._deferred = True
+                    break
         self._policy = policy if isinstance(policy, SpeculationPolicy) else None
         self._costs = costs
         self._lock = threading.Lock()
@@ -447,7 +647,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._closed = False
         self._local = threading.local()
-        self._stats: dict[int, tuple] = {}  # worker thread -> (its generation's stats, greedy?), for the policy
+        self._seqs: dict[int, _Running] = {}  # worker thread -> what the policy reads of its sequence
 
     # ------------------------------------------------------------------------- state
 
@@ -493,24 +693,38 @@ class Engine:
 
     def _budget(self, stats, k: int) -> int:
         """This step's draft length for the calling sequence: K for sampled ones (so that a seed gives the same
-        sample alone and batched), else the policy's one k for all running greedy sequences, from each one's
-        acceptance so far: they share every step, so they should draft alike."""
-        params = getattr(self._local, "params", None)
+        sample alone and batched), else what the policy's plan for all running sequences gives it, from each
+        one's acceptance so far and how far its draft is behind."""
         me = threading.get_ident()
         with self._lock:
-            self._stats[me] = (stats, params is not None and params.greedy)
-        if params is None or not params.greedy:
+            mine = self._seqs.get(me)
+            if mine is not None:
+                mine.stats = stats
+                mine.context = stats.prompt_tokens + stats.generated_tokens
+                if mine.drafted:  # its draft was fed along with last step's drafts
+                    mine.synced = mine.context
+        if mine is None or not mine.greedy:
             return k
         policy = self.policy()
         if policy is None:
             return k
         with self._lock:
-            running = list(self._stats.values())
-        rates = [(policy.position_rates(s.accepted_per_position, s.proposed_per_position), is_greedy)
-                 for s, is_greedy in running]
-        sampled = [a for a, is_greedy in rates if not is_greedy]
-        return policy.choose_batch(k, [a for a, is_greedy in rates if is_greedy], fixed_rows=len(sampled) * (k + 1),
-                                   fixed_tokens=sum(policy.expected_tokens(a, k) for a in sampled))
+            running = [r for r in self._seqs.values() if r.stats is not None]
+        views = [SequenceView(policy.position_rates(r.stats.accepted_per_position, r.stats.proposed_per_position),
+                              greedy=r.greedy, catch_up=self._catch_up(r), remaining=r.max_new - r.stats.generated_tokens)
+                 for r in running]
+        mine_k = policy.plan(k, views)[running.index(mine)]
+        mine.drafted = mine_k > 0
+        return mine_k
+
+    def _catch_up(self, r: "_Running") -> int:
+        """Tokens sequence ``r``'s draft must be fed in a prefill before it can draft (see ``_DeferredDraft``)."""
+        if not (self._deferred and r.greedy):
+            return 0
+        if r.synced is None:
+            return r.context  # never prefilled
+        behind = r.context - r.synced
+        return behind if behind >= 2 else 0
 
     # ------------------------------------------------------------------------- requests
 
@@ -549,6 +763,8 @@ class Engine:
 
     def _work(self, seq: EngineSequence, ids, max_new_tokens, params, ignore_eos, stops) -> None:
         self._local.params = params
+        with self._lock:
+            self._seqs[threading.get_ident()] = _Running(greedy=params.greedy, max_new=max_new_tokens)
         self._batcher.enter()
         gen = None
         try:
@@ -574,7 +790,7 @@ class Engine:
             self._batcher.leave()
             self._finish(seq)
             with self._lock:
-                self._stats.pop(threading.get_ident(), None)
+                self._seqs.pop(threading.get_ident(), None)
                 self._active.discard(seq)
                 self._threads.discard(threading.current_thread())
                 while self._queue and len(self._active) < self.max_batch:

@@ -15,7 +15,7 @@ import torch
 
 import graphspec
 from graphspec import SamplingParams
-from graphspec.engine import CostTable, Engine, QueueFull, SpeculationPolicy
+from graphspec.engine import CostTable, Engine, QueueFull, SequenceView, SpeculationPolicy
 from tests.checkpoints import make_checkpoint
 from tests.graphspec.oracle import chi2_pvalue, exact_marginals
 from tests.graphspec.test_lossless import PROMPT, _draft, _target
@@ -344,3 +344,86 @@ def test_suffix_drafts_share_their_store_across_batched_sequences(tiny_dirs):
     store = pipe.graph["draft"].store
     assert store.num_tokens >= 24 * len(prompts)  # every finished sequence was learned
     assert sum(r.stats.accepted for r in got) > 0
+
+
+def test_plan_drafts_per_sequence():
+    """The plan picks which greedy sequences draft: one whose drafts are never accepted takes a plain step in the
+    shared forward while a good one drafts; sampled sequences draft K whatever."""
+    costs = CostTable(target={1: 1.0, 8: 1.1, 16: 1.3, 64: 6.0}, draft={1: 0.05, 16: 0.06, 64: 0.1})
+    policy = SpeculationPolicy(costs)
+    good, bad = SequenceView([0.9] * 5), SequenceView([0.0] * 5)
+    ks = policy.plan(5, [good, bad, good])
+    assert ks[0] > 0 and ks[2] == ks[0] and ks[1] == 0
+    assert policy.plan(5, [bad, bad]) == [0, 0]
+    assert policy.plan(5, [SequenceView(0.0, greedy=False), bad]) == [5, 0]
+    assert policy.plan(5, []) == []
+    # verify rows priced like plain steps: nobody drafts, however good
+    dear = SpeculationPolicy(CostTable(target={1: 1.0, 64: 64.0}, draft={1: 0.5, 64: 0.5}))
+    assert dear.plan(5, [good] * 4) == [0] * 4
+
+
+def test_plan_counts_the_drafts_catch_up():
+    """A sequence whose draft is behind drafts only if the prefill it needs pays over the tokens it has left."""
+    costs = CostTable(target={1: 1.0, 64: 1.1}, draft={1: 0.05, 64: 0.1}, draft_prefill={16: 0.1, 512: 4.0})
+    policy = SpeculationPolicy(costs)
+    rates = [0.9] * 5
+    assert policy.plan(5, [SequenceView(rates, catch_up=500, remaining=2)]) == [0]
+    assert policy.plan(5, [SequenceView(rates, catch_up=500, remaining=1000)])[0] > 0
+    assert policy.plan(5, [SequenceView(rates, catch_up=0, remaining=2)])[0] > 0
+    # of two equally good sequences, the one in step drafts and the one far behind, near its end, does not
+    ks = policy.plan(5, [SequenceView(rates), SequenceView(rates, catch_up=500, remaining=3)])
+    assert ks[0] > 0 and ks[1] == 0
+    assert costs.draft_prefill_cost(0) == 0.0 and costs.draft_prefill_cost(16) == pytest.approx(0.1)
+
+
+def test_policy_that_never_drafts_never_prefills_the_draft(tiny_dirs):
+    """With verify rows priced like plain steps the greedy sequences never draft, so their drafts are never
+    prefilled (no draft forward, no draft cache); the outputs are Pipeline.run's."""
+    pipes = _pipes(tiny_dirs, torch.float32)
+    dear = CostTable(target={1: 1.0, 64: 64.0}, draft={1: 0.5, 64: 0.5}, draft_prefill={16: 1.0})
+    prompts = [p for p in PROMPTS if isinstance(p, str)][:4]
+    for name in ("model", "tree", "cross", "int8"):
+        pipe = pipes[name]
+        alone = [pipe.run(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        engine = Engine(pipe, max_batch=4, policy=SpeculationPolicy(dear))
+        seqs = [engine.submit(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        got = [s.result(timeout=60) for s in seqs]
+        assert [r.token_ids for r in got] == [r.token_ids for r in alone], name
+        assert engine.forwards.get("draft", 0) == 0, name
+        assert sum(r.stats.draft_forwards for r in got) == 0 and len(engine._draft.caches) == 0, name
+
+
+class _Alternating(SpeculationPolicy):
+    """Greedy sequences draft K for three steps' worth of tokens, then none for three, and so on (by the tokens
+    they have left), so that drafts start late and fall behind and catch up again."""
+
+    def plan(self, max_k, sequences):
+        return [max_k if not q.greedy or (q.remaining // 3) % 2 else 0 for q in sequences]
+
+
+def test_drafts_that_start_late_and_catch_up_keep_outputs_and_stay_in_step(tiny_dirs):
+    """Greedy sequences whose drafts begin mid-generation and skip steps still give Pipeline.run's tokens (chain,
+    tree, int8, cross-tokenizer), sampled ones in the same batch the same samples; and a draft that is the
+    target itself, caught up by batched prefills, still proposes what the target takes."""
+    target_dir = tiny_dirs[0]
+    pipes = _pipes(tiny_dirs, torch.float32)
+    target = pipes["model"].target
+    pipes["self"] = graphspec.Pipeline(target, graphspec.load_model(target_dir, dtype=torch.float32),
+                                       num_speculative_tokens=3, draft_confidence_threshold=None, draft_siblings=0)
+    policy = _Alternating(CostTable(target={1: 1.0}))
+    requests = [(p, dict(max_new_tokens=30, ignore_eos=True)) for p in PROMPTS[:5]]
+    requests.append((PROMPTS[1], dict(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3)))
+    for name in ("self", "model", "tree", "int8", "cross"):
+        pipe = pipes[name]
+        alone = [pipe.run(p, **kw) for p, kw in requests]
+        engine = Engine(pipe, max_batch=len(requests), policy=policy)
+        got = [s.result(timeout=120) for s in [engine.submit(p, **kw) for p, kw in requests]]
+        for i, (a, b) in enumerate(zip(alone, got)):
+            assert b.token_ids == a.token_ids, (name, i)
+        greedy = got[:-1]
+        assert all(r.stats.proposed > 0 for r in greedy), name
+        if name == "self":  # a chain without a confidence stop: one draft forward per proposal, the rest prefills
+            assert all(r.stats.draft_forwards - r.stats.proposed >= 2 for r in greedy), name  # begun late, caught up
+            accepted = sum(r.stats.accepted for r in greedy)
+            proposed = sum(r.stats.proposed for r in greedy)
+            assert accepted >= 0.9 * proposed, (accepted, proposed)
