@@ -8,7 +8,9 @@ tokens of a held-out-style prompt (perf/prompts.json, cycled), greedy. Per N it 
 second over the level's wall time, time to first token and time per output token (p50, p95), acceptance and
 tokens per target forward, then whether every output equals the plain configuration's (it must: greedy). Each
 configuration first runs its concurrency-1 requests through ``Pipeline.run`` alone, the figure serving at
-concurrency 1 is compared with (``x_pipeline_run``).
+concurrency 1 is compared with (``x_pipeline_run``). The configurations' servers run side by side and the levels
+are interleaved (every configuration at N before any at the next N), so host drift falls on all alike; each
+level records the 1-minute load average at its end, and the report the policy's measured cost table.
 
     python perf/serve_bench.py --threads 2                     # 1.5B target, 0.5B draft, N = 1 2 4 8 16
     python perf/serve_bench.py --draft smollm2-135m-instruct --concurrency 1 4 --max-tokens 64
@@ -20,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -164,32 +169,40 @@ def main(argv=None) -> int:
     report = {"machine": machine_info(), "target": args.target, "draft": f"{args.draft} (int8)", "k": args.k,
               "dtype": str(dtype).replace("torch.", ""), "threads": args.threads, "max_tokens": args.max_tokens,
               "cpu_level": graphspec.kernels.cpu.level(), "results": {}}
+    engines = {}
     for config in args.configs:
         pipe = _pipeline(config, target, draft, args.k)
         engine = Engine(pipe, max_batch=max(args.concurrency), max_queue=1024,
                         policy="auto" if config == "policy" else "off")
         if config == "policy":
-            engine.policy()  # the cost table, measured before the clock starts
+            report["cost_table"] = dataclasses.asdict(engine.policy().costs)  # measured before the clock starts
+        engines[config] = engine
         # the same requests through Pipeline.run, one after another: what serving at concurrency 1 is held to
         n_alone = args.requests or min(args.concurrency)
         t0 = time.perf_counter()
         alone_tokens = sum(len(pipe.run(prompts[i % len(prompts)], max_new_tokens=args.max_tokens).token_ids)
                            for i in range(n_alone))
         alone = alone_tokens / (time.perf_counter() - t0)
+        report.setdefault("pipeline_run", {})[config] = alone
+        report["results"][config] = []
         print(f"{config:>7} Pipeline.run {alone:7.2f} tok/s", file=sys.stderr, flush=True)
-        levels = []
-        with background(engine, "bench") as url:
-            for n in args.concurrency:
-                lv = asyncio.run(_level(url, "bench", prompts, n, args.requests or n, args.max_tokens))
-                levels.append(lv)
+    with contextlib.ExitStack() as servers:
+        urls = {c: servers.enter_context(background(e, "bench")) for c, e in engines.items()}
+        # Levels interleaved: every configuration at N before any at the next N (the order rotating with N), so
+        # that a shared host's drift between levels falls on all configurations alike.
+        for j, n in enumerate(args.concurrency):
+            for config in args.configs[j % len(args.configs):] + args.configs[:j % len(args.configs)]:
+                lv = asyncio.run(_level(urls[config], "bench", prompts, n, args.requests or n, args.max_tokens))
+                lv["loadavg_1min"] = os.getloadavg()[0]
+                report["results"][config].append(lv)
                 print(f"{config:>7} N={n:<3} {lv['tokens_per_second']:7.2f} tok/s  ttft p50 {lv['ttft_p50']:.2f} s  "
                       f"tpot p50 {1000 * (lv['tpot_p50'] or 0):.0f} ms  acceptance {lv['acceptance']}  "
-                      f"tokens/forward {lv['tokens_per_target_forward']}", file=sys.stderr, flush=True)
-        report["results"][config] = levels
-        report.setdefault("pipeline_run", {})[config] = alone
+                      f"tokens/forward {lv['tokens_per_target_forward']}  load {lv['loadavg_1min']:.2f}",
+                      file=sys.stderr, flush=True)
+    for config, levels in report["results"].items():
         for lv in levels:
             if lv["concurrency"] == 1:
-                lv["x_pipeline_run"] = lv["tokens_per_second"] / alone
+                lv["x_pipeline_run"] = lv["tokens_per_second"] / report["pipeline_run"][config]
     base = {lv["concurrency"]: lv for lv in report["results"].get("plain", [])}
     for config, levels in report["results"].items():
         for lv in levels:
