@@ -3,7 +3,10 @@
 - ``run`` streams the generated text, then prints one stats line.
 - ``bench`` measures acceptance and speedup over autoregressive decoding on the
   user's own prompts (or a built-in mix of code, chat and prose) and recommends
-  a speculation length K from the measured per-position acceptance and costs.
+  a speculation length K from the measured per-position acceptance and costs;
+  beside the given draft it measures the other drafters (the model draft,
+  prompt lookup, suffix, the hybrid) as ``run`` would use them and recommends
+  one, saying why.
 - ``fetch`` / ``models`` manage the zoo cache.
 
 Every user error (unknown model, missing path, bad flag value) prints one error,
@@ -35,6 +38,15 @@ BUILTIN_PROMPTS = [
 
 class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
+
+
+# The drafters `bench --compare` measures: name -> (what it is, in the output; whether it needs a draft model).
+_BENCH_DRAFTERS = {"model": ("model draft", True), "ngram": ("prompt lookup", False), "suffix": ("suffix", False),
+                   "hybrid": ("hybrid model+suffix", True)}
+# bench recommends a drafter with no draft model (prompt lookup, suffix) over a faster one that needs one when it
+# is within this share of it: no draft weights to hold and no draft prefill, for a difference the run's noise
+# can hide.
+WEIGHT_FREE_MARGIN = 0.05
 
 
 def _draft_vocab(text: str) -> int | str:
@@ -176,6 +188,11 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="file of prompts: .jsonl ({\"prompt\": ...} or {\"messages\": [...]}) or text, one per line")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=64)
     bench.add_argument("--max-k", type=_positive_int, default=8, help="largest K considered for the recommendation")
+    bench.add_argument("--compare", nargs="*", default=None, choices=list(_BENCH_DRAFTERS), metavar="DRAFTER",
+                       help="drafters measured side by side at -k, each as `run` would use it, to recommend one: "
+                            "model (the --draft model), ngram (prompt lookup), suffix, hybrid (MODEL+suffix); "
+                            "default: every one that applies (model and hybrid need a model --draft); "
+                            "--compare with no names: none")
     bench.add_argument("--json", type=Path, default=None, help="also write the full results to this JSON file")
 
     fetch = sub.add_parser("fetch", help="download and convert a zoo model into the cache")
@@ -507,10 +524,53 @@ def recommend_k(accepted_per_position: list[int], steps: int, verify_seconds: fl
     return best_k, rows
 
 
+def recommend_drafter(autoregressive_tok_s: float, drafters: dict[str, dict],
+                      margin: float = WEIGHT_FREE_MARGIN) -> tuple[str | None, str]:
+    """The drafter to use, and why, from what ``bench`` measured: ``(name or None, reason)``.
+
+    ``drafters`` maps names of ``_BENCH_DRAFTERS`` to their measured ``{"tok_s": ...}``. The fastest wins,
+    unless one that needs no draft model (prompt lookup, suffix) is within ``margin`` of it; None (plain
+    decoding) when no drafter beat autoregressive decoding.
+    """
+    if not drafters:
+        raise ValueError("recommend_drafter needs at least one measured drafter")
+    ranked = sorted(drafters, key=lambda n: drafters[n]["tok_s"], reverse=True)
+    best = ranked[0]
+
+    def said(n: str) -> str:
+        return f"{_BENCH_DRAFTERS[n][0]} ({drafters[n]['tok_s'] / autoregressive_tok_s:.2f}x autoregressive)"
+
+    if drafters[best]["tok_s"] <= autoregressive_tok_s:
+        return None, f"no drafter was faster than plain decoding on these prompts (the fastest: {said(best)})"
+    if _BENCH_DRAFTERS[best][1]:
+        for n in ranked:
+            if (not _BENCH_DRAFTERS[n][1] and drafters[n]["tok_s"] >= (1 - margin) * drafters[best]["tok_s"]
+                    and drafters[n]["tok_s"] > autoregressive_tok_s):
+                return n, (f"{said(n)} is within {margin:.0%} of the fastest, {said(best)}, and needs no draft "
+                           "model (no draft weights in memory, no draft prefill)")
+    why = f"the fastest on these prompts: {said(best)}"
+    if len(ranked) > 1:
+        why += f"; next: {said(ranked[1])}"
+    return best, why
+
+
+def _bench_compare(args) -> list[str]:
+    """The drafters ``bench --compare`` measures (checked before anything loads)."""
+    model_draft = args.draft not in ("ngram", "suffix")
+    if args.compare is None:
+        return [n for n, (_, needs_model) in _BENCH_DRAFTERS.items() if model_draft or not needs_model]
+    for n in args.compare:
+        if _BENCH_DRAFTERS[n][1] and not model_draft:
+            raise CLIError(f"--compare {n} needs a draft model: give --draft MODEL (a zoo name or checkpoint "
+                           f"directory), not --draft {args.draft}")
+    return list(dict.fromkeys(args.compare))
+
+
 def _cmd_bench(args) -> int:
     prompts = _read_prompts(args.prompts)
     if args.json is not None:
         _check_writable(args.json, "--json")
+    compare = _bench_compare(args)
     target, draft, graphspec = _pipelines(args)
     k = max(args.k, args.max_k)
     base = graphspec.Pipeline(target)
@@ -520,9 +580,24 @@ def _cmd_bench(args) -> int:
     if args.draft_beam:
         raise CLIError("bench measures a chain's acceptance at each draft position to recommend K; a beam "
                        "(--draft-beam) would blur it: leave --draft-beam out")
-    kw = _draft_kw(args)
-    kw["draft_siblings"] = 0  # a chain, whatever run's default
+    run_kw = _draft_kw(args)
+    kw = dict(run_kw, draft_siblings=0)  # a chain, whatever run's default
     spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping, **kw)
+    model = draft[0] if isinstance(draft, list) else None if isinstance(draft, str) else draft
+    model_name = args.draft[:-len("+suffix")] if args.draft.endswith("+suffix") else args.draft
+    flags = {"model": model_name, "ngram": "ngram", "suffix": "suffix", "hybrid": f"{model_name}+suffix"}
+
+    def compared() -> dict:
+        """The drafters to compare at -k, each as `run` builds it (fresh: the suffix stores start empty)."""
+        out = {}
+        for name in compare:
+            if name in ("model", "hybrid"):
+                out[name] = graphspec.Pipeline(target, model if name == "model" else [model, "suffix"],
+                                               num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
+                                               **run_kw)
+            else:
+                out[name] = graphspec.Pipeline(target, name, num_speculative_tokens=args.k)
+        return out
     has_template = getattr(target.tokenizer, "has_chat_template", False)
 
     def as_prompt(item):
@@ -544,9 +619,13 @@ def _cmd_bench(args) -> int:
                            f"{args.max_new_tokens} exceeds the target's max_position_embeddings="
                            f"{target.config.max_position_embeddings}")
 
-    # Warm-up (allocation, first-call costs) kept out of the numbers.
-    base.run(as_prompt(prompts[0]), max_new_tokens=4, ignore_eos=True)
-    spec.run(as_prompt(prompts[0]), max_new_tokens=4, ignore_eos=True)
+    # Warm-up (allocation, first-call costs) kept out of the numbers; the compared pipelines are built again
+    # afterwards, so that no suffix store starts with the warm-up's tokens.
+    for pipe in (base, spec, *compared().values()):
+        pipe.run(as_prompt(prompts[0]), max_new_tokens=4, ignore_eos=True)
+    others = compared()
+    cmp = {n: {"tokens": 0, "seconds": 0.0, "steps": 0, "proposed": 0, "accepted": 0, "draft_forwards": 0,
+               "differ": 0} for n in others}
 
     rows = []
     tot = {"base_tokens": 0, "base_seconds": 0.0, "spec_tokens": 0, "spec_seconds": 0.0, "differ": 0}
@@ -585,6 +664,28 @@ def _cmd_bench(args) -> int:
         print(f"prompt {n} ({row['kind']}): {row['autoregressive_tok_s']:.2f} -> {row['speculative_tok_s']:.2f} tok/s "
               f"({row['speedup']:.2f}x), acceptance {s.acceptance_rate:.2f}, "
               f"{s.mean_accepted_length:.2f} tokens/forward{'' if same else ', output differs'}", flush=True)
+        if others:
+            names = list(others)
+            row["drafters"] = {}
+            for name in names[n % len(names):] + names[:n % len(names)]:  # rotated: load drift hits each alike
+                t0 = time.perf_counter()
+                c = others[name].run(p, max_new_tokens=args.max_new_tokens)
+                tc = time.perf_counter() - t0
+                r = cmp[name]
+                r["tokens"] += len(c.token_ids)
+                r["seconds"] += tc
+                r["steps"] += c.stats.steps
+                r["proposed"] += c.stats.proposed
+                r["accepted"] += c.stats.accepted
+                r["draft_forwards"] += c.stats.draft_forwards
+                r["differ"] += c.token_ids != a.token_ids
+                row["drafters"][name] = {"tok_s": len(c.token_ids) / tc,
+                                         "tokens_per_target_forward": c.stats.mean_accepted_length,
+                                         "identical_to_autoregressive": c.token_ids == a.token_ids}
+            print(f"  at K={args.k}: " + ", ".join(
+                f"{_BENCH_DRAFTERS[name][0]} {d['tok_s']:.2f} tok/s "
+                f"({d['tok_s'] / row['autoregressive_tok_s']:.2f}x){'' if d['identical_to_autoregressive'] else ' differs'}"
+                for name, d in row["drafters"].items()), flush=True)
 
     base_rate = tot["base_tokens"] / tot["base_seconds"]
     spec_rate = tot["spec_tokens"] / tot["spec_seconds"]
@@ -595,14 +696,35 @@ def _cmd_bench(args) -> int:
           f"{spec_rate / base_rate:.2f}x; acceptance {accepted / proposed if proposed else 0:.2f}")
     print("accepted fraction by draft position: " + " ".join(f"{i + 1}:{a:.2f}" for i, a in enumerate(per_pos)))
     print(f"recommended K: {best_k} (modelled from the acceptance above and the measured verify/draft costs)")
-    if tot["differ"]:
-        print(f"note: {tot['differ']} of {len(prompts)} outputs differ from autoregressive "
+    drafters = {}
+    for name, r in cmp.items():
+        drafters[name] = {"draft": flags[name], "k": args.k, "tok_s": r["tokens"] / r["seconds"],
+                          "x_autoregressive": (r["tokens"] / r["seconds"]) / base_rate,
+                          "tokens_per_target_forward": r["tokens"] / r["steps"] if r["steps"] else 0.0,
+                          "acceptance_rate": r["accepted"] / r["proposed"] if r["proposed"] else 0.0,
+                          "draft_forwards": r["draft_forwards"], "prompts_differing": r["differ"]}
+    recommended = None
+    if drafters:
+        print(f"\ndrafters at K={args.k}, each as `graphspec run --draft` uses it (suffix and hybrid learn across "
+              "the prompts, in order):")
+        width = max(len(_BENCH_DRAFTERS[n][0]) for n in drafters)
+        for name, d in drafters.items():
+            print(f"  {_BENCH_DRAFTERS[name][0]:<{width}}  {d['tok_s']:6.2f} tok/s  {d['x_autoregressive']:.2f}x  "
+                  f"{d['tokens_per_target_forward']:.2f} tokens/forward  acceptance {d['acceptance_rate']:.2f}  "
+                  f"draft forwards {d['draft_forwards']}"
+                  + (f"  ({d['prompts_differing']} outputs differ)" if d["prompts_differing"] else ""))
+        choice, why = recommend_drafter(base_rate, drafters)
+        recommended = {"drafter": choice, "draft": flags[choice] if choice else None, "why": why}
+        print(f"recommended draft: {'--draft ' + flags[choice] if choice else 'none (omit --draft)'}: {why}")
+    if tot["differ"] or any(d["prompts_differing"] for d in drafters.values()):
+        print(f"note: some outputs differ from autoregressive ({tot['differ']} of {len(prompts)} at K={k}) "
               "(low-precision rounding of batched forwards; run with --dtype fp32 for bitwise-stable greedy output)")
     if args.json is not None:
         try:
             args.json.write_text(json.dumps({"prompts": rows, "autoregressive_tok_s": base_rate,
                                              "speculative_tok_s": spec_rate, "k": k, "accepted_per_position": per_pos,
-                                             "recommended_k": best_k, "model": model_rows}, indent=1))
+                                             "recommended_k": best_k, "model": model_rows, "drafters": drafters,
+                                             "recommended_draft": recommended}, indent=1))
         except OSError as e:
             raise CLIError(f"--json {str(args.json)!r} could not be written ({e.strerror}); the results are "
                            "printed above") from None

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from graphspec.cli import recommend_k
+from graphspec.cli import recommend_drafter, recommend_k
 from tests.checkpoints import make_checkpoint
 
 
@@ -135,6 +135,9 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("bench", "--target", "TINY", "--draft", "TINY", "--draft-beam", "2"), ["--draft-beam"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
+    (("bench", "--target", "TINY", "--draft", "suffix", "--compare", "suffix", "hybrid"),
+     ["--compare hybrid needs a draft model", "--draft suffix"]),
+    (("bench", "--target", "TINY", "--draft", "ngram", "--compare", "model"), ["--compare model needs a draft model"]),
 ])
 def test_errors_are_one_clear_line(tiny, args, fragments):
     args = tuple(str(tiny) if a == "TINY" else a for a in args)
@@ -163,6 +166,59 @@ def test_bench_on_user_prompts(tiny, tmp_path):
     assert len(result["prompts"]) == 3
     # the draft is the target itself: every draft position is accepted whenever proposed
     assert all(r["acceptance_rate"] == 1.0 and r["identical_to_autoregressive"] for r in result["prompts"])
+    # beside it, every drafter as `run` builds it, each giving the target's tokens on every prompt
+    drafters = result["drafters"]
+    assert list(drafters) == ["model", "ngram", "suffix", "hybrid"]
+    assert {n: d["draft"] for n, d in drafters.items()} == {"model": str(tiny), "ngram": "ngram", "suffix": "suffix",
+                                                            "hybrid": f"{tiny}+suffix"}
+    assert all(d["prompts_differing"] == 0 and d["tok_s"] > 0 for d in drafters.values())
+    assert drafters["ngram"]["draft_forwards"] == drafters["suffix"]["draft_forwards"] == 0
+    assert drafters["model"]["draft_forwards"] > 0
+    assert all(set(r["drafters"]) == set(drafters) for r in result["prompts"])
+    # the recommendation is the rule's, on the figures it printed, and says why
+    rec = result["recommended_draft"]
+    choice, why = recommend_drafter(result["autoregressive_tok_s"], drafters)
+    assert (rec["drafter"], rec["why"]) == (choice, why) and why
+    assert rec["draft"] == (drafters[choice]["draft"] if choice else None)
+    assert f"recommended draft: {'--draft ' + rec['draft'] if choice else 'none'}" in p.stdout
+    assert why in p.stdout
+
+
+def test_bench_compare_names_what_it_measures(tiny, tmp_path):
+    out = tmp_path / "bench.json"
+    p = _cli("bench", "--target", str(tiny), "--draft", "ngram", "--dtype", "fp32", "--max-new-tokens", "6",
+             "--max-k", "2", "--compare", "suffix", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert list(result["drafters"]) == ["suffix"]
+    assert result["recommended_draft"]["drafter"] in ("suffix", None)
+    p = _cli("bench", "--target", str(tiny), "--draft", "ngram", "--dtype", "fp32", "--max-new-tokens", "6",
+             "--max-k", "2", "--compare", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert result["drafters"] == {} and result["recommended_draft"] is None
+    assert "recommended draft" not in p.stdout
+
+
+def test_recommend_drafter_takes_the_fastest_unless_a_weight_free_one_is_as_good():
+    ar = 10.0
+    # the hybrid is fastest, and suffix more than 5% behind it: the hybrid
+    got = {"model": {"tok_s": 20.0}, "ngram": {"tok_s": 15.0}, "suffix": {"tok_s": 18.0}, "hybrid": {"tok_s": 22.0}}
+    choice, why = recommend_drafter(ar, got)
+    assert choice == "hybrid"
+    assert "fastest" in why and "2.20x" in why and "next: model draft (2.00x" in why
+    # suffix within 5% of the model-drafted fastest: suffix, which needs no draft model
+    got["suffix"]["tok_s"] = 21.0
+    choice, why = recommend_drafter(ar, got)
+    assert choice == "suffix" and "within 5%" in why and "no draft model" in why
+    assert recommend_drafter(ar, got, margin=0.01)[0] == "hybrid"
+    # a weight-free drafter that is fastest outright
+    assert recommend_drafter(ar, {"model": {"tok_s": 12.0}, "ngram": {"tok_s": 14.0}})[0] == "ngram"
+    # nothing beats plain decoding: no drafter
+    choice, why = recommend_drafter(ar, {"model": {"tok_s": 9.0}, "suffix": {"tok_s": 8.0}})
+    assert choice is None and "plain decoding" in why
+    with pytest.raises(ValueError):
+        recommend_drafter(ar, {})
 
 
 def test_recommend_k_prefers_long_drafts_only_when_they_pay():
