@@ -438,12 +438,16 @@ class ModelDrafter(Stage):
         # such tokens are rarely accepted, and each costs a draft forward (None: always draft K).
         self.confidence_threshold = check_confidence_threshold(confidence_threshold)
 
-    def begin(self, state) -> None:
+    def begin(self, state, fill: bool = True) -> None:
+        """A fresh cache, prefilled with the prompt (``fill=False``: empty; the caller feeds it later)."""
         if self.head is not None and int(self.head.ids[0]) >= state.run.vocab_size:
             raise ValueError(f"draft_vocab keeps no id below the target's vocabulary size {state.run.vocab_size}: "
                              "the draft could never propose a token; keep lower ids")
-        cache, forwards = start_cache(self.model, state)
-        state.run.draft_forwards += forwards
+        if fill:
+            cache, forwards = start_cache(self.model, state)
+            state.run.draft_forwards += forwards
+        else:
+            cache = self.model.new_cache(state.run.capacity, batch_size=1)
         state.scratch(self)["cache"] = cache
 
     def drop_uncommitted(self, state, scratch: dict, cache) -> None:

@@ -311,10 +311,10 @@ class Pipeline:
             draft_vocab = None
         choices.siblings_why = "as asked"
         if siblings == "auto":
-            tree_rule = acceptance in (None, "rejection") and not hybrid
+            tree_rule = acceptance in (None, "rejection")  # a hybrid's model steps take a tree too
             siblings = _defaults.draft_siblings("auto", model_draft, tree_rule)
             choices.siblings_why = ("auto: a tree for a model draft" if siblings else
-                                    "auto: a chain, the acceptance rule or hybrid drafter asked for takes no tree"
+                                    "auto: a chain, the acceptance rule asked for takes no tree"
                                     if model_draft else "auto: a chain")
         choices.siblings = siblings
         if siblings and not model_draft:

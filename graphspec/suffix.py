@@ -28,11 +28,14 @@
   single child, as prompt lookup), and that q goes with them; since the *set* of children is fixed
   by the draft side and the order is a draw from q, every sibling test is a valid speculative step,
   so the output keeps the target's distribution.
-- ``HybridDrafter`` (``draft=[model, "suffix"]``): per step the suffix proposal when its score,
-  calibrated by how well suffix proposals were accepted so far in this run, reaches ``switch`` times
-  the tokens the model draft's steps yielded so far; otherwise the model draft (any model drafter,
-  with the target's tokenizer or another: the suffix structure is in the target's tokens). Both
-  decisions read only the draft side and committed tokens, so the output stays lossless.
+- ``HybridDrafter`` (``draft=[model, "suffix"]``): per step whichever of the two should give more tokens
+  per unit of time. A suffix step costs one verify and no draft forward: it yields 1 + its tree's score,
+  calibrated by how well suffix trees were accepted so far. A model step costs one verify plus its draft
+  forwards (``draft_cost`` of a verify each): it yields the tokens model steps yielded so far. Both are
+  measured over the drafter's life (across requests, as the store learns across them). The model draft
+  (any model drafter, with the target's tokenizer or another: the suffix structure is in the target's
+  tokens) is prefilled only when it first drafts, so a request that suffix trees serve throughout never
+  pays for it. The choice reads only the draft side and committed tokens, so the output stays lossless.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise
 
 __all__ = ["SuffixAutomaton", "SuffixStore", "SuffixDrafter", "HybridDrafter", "SUFFIX_SPEC_FACTOR",
-           "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH", "HYBRID_MODEL_K"]
+           "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH", "HYBRID_MODEL_K",
+           "HYBRID_DRAFT_COST"]
 
 SEP = -1     # document separator in a store's text (never a token id)
 _NONE = -2   # "no transition" in the first-transition slot
@@ -65,8 +69,13 @@ SUFFIX_SPEC_FACTOR = 4.0       # tokens proposed per matched token (SuffixDecodi
 SUFFIX_MIN_PROB = 0.1          # nodes whose path continues fewer occurrences than this share are left out
 SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations are counted
 SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its oldest documents (about 40 MB)
-HYBRID_SWITCH = 0.7            # suffix when its calibrated score >= this x the model draft's tokens per step
+HYBRID_SWITCH = 1.0            # suffix when its tokens per unit of time >= this x the model draft's (see HybridDrafter)
 HYBRID_MODEL_K = 5             # a hybrid's model draft proposes at most this many (the 0.5B tree's K, perf/RESULTS.md)
+# A model draft forward's time over a target verify's: the int8 Qwen2.5-0.5B draft (pruned head) against the bf16
+# 1.5B target on the CPUs measured (perf/RESULTS.md: its forward against the 1.5B step). A smaller draft costs less:
+# set HybridDrafter(draft_cost=...) for another pair.
+HYBRID_DRAFT_COST = 0.2
+HYBRID_PRIOR_MODEL = 3.0       # tokens a model step is assumed to yield before one is measured (one step's weight)
 
 
 class SuffixAutomaton:
@@ -569,17 +578,26 @@ class HybridDrafter(Stage):
     ``model``: the model draft's stages in order (a ``ModelDrafter``, or a ``CrossVocabDrafter`` and
     its ``VocabMap``); ``model_k``: at most this many model draft tokens a step (None: ``num_draft``), so
     that K can be set for long suffix trees without lengthening the model's chains.
-    Rule: with ``s`` the suffix tree's score (its nodes' scores summed: the tokens it expects accepted),
-    ``c`` the run's accepted suffix tokens over the scores of the suffix trees proposed so far (1 before
-    any), and ``m`` the mean tokens accepted per model-drafted step so far (``prior_model`` before any),
-    the suffix tree is proposed when ``c * s >= switch * m``.
+
+    Rule, in tokens per unit of time (a verify costs about the same for the few rows of either proposal):
+    with ``s`` the suffix tree's score (its nodes' scores summed: the tokens it expects accepted), ``c`` the
+    accepted suffix tokens over the scores of the suffix trees proposed so far (1 before any), ``m`` the
+    tokens a model step yielded (the bonus token included) and ``f`` the draft forwards it ran, both
+    averaged over the model steps so far plus one prior step of ``prior_model`` tokens and ``model_k``
+    forwards, the suffix tree is proposed when
+
+        1 + c * s >= switch * m / (1 + draft_cost * f)
+
+    (a suffix step costs one verify; a model step one verify and ``f`` draft forwards of ``draft_cost``
+    verifies each). The figures are kept over the drafter's life, across requests.
     """
 
     reads = ("tokens", "num_draft", "params", "generator")
     writes = ("draft_ids", "draft_probs", "draft_parents")
 
     def __init__(self, model, suffix: SuffixDrafter | None = None, *, switch: float = HYBRID_SWITCH,
-                 model_k: int | None = HYBRID_MODEL_K, prior_model: float = 1.0, name: str = "draft"):
+                 model_k: int | None = HYBRID_MODEL_K, draft_cost: float = HYBRID_DRAFT_COST,
+                 prior_model: float = HYBRID_PRIOR_MODEL, name: str = "draft"):
         super().__init__(name)
         stages = list(model) if isinstance(model, (list, tuple)) else [model]
         if not stages or not all(isinstance(s, Stage) for s in stages):
@@ -595,7 +613,15 @@ class HybridDrafter(Stage):
             raise ValueError(f"switch must be a number >= 0, got {switch!r}")
         self.switch = float(switch)
         self.model_k = None if model_k is None else _check_int("model_k", model_k, 1)
+        for what, v in (("draft_cost", draft_cost), ("prior_model", prior_model)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{what} must be a number >= 0, got {v!r}")
+        self.draft_cost = float(draft_cost)
         self.prior_model = float(prior_model)
+        # what each kind of step earned so far, over every request (lock: the engine's threads share the stage)
+        self.measured = {"suffix_score": 0.0, "suffix_accepted": 0, "model_steps": 0, "model_tokens": 0,
+                         "model_forwards": 0}
+        self._lock = threading.Lock()
         # the model stages read step inputs and each other's outputs only
         self.reads = tuple(dict.fromkeys(self.reads + tuple(
             f for s in stages for f in s.reads if f not in {w for t in stages for w in t.writes})))
@@ -615,11 +641,24 @@ class HybridDrafter(Stage):
 
     def begin(self, state) -> None:
         self.suffix.begin(state)
-        for s in self.model_stages:
-            s.begin(state)
-        state.scratch(self).update(last=None, suffix_score=0.0, suffix_accepted=0, model_steps=0,
-                                   model_accepted=0)
+        d = self.model_drafter
+        if isinstance(d, ModelDrafter) and not d.beam:
+            d.begin(state, fill=False)  # prefilled by _catch_up before its first step, if it ever drafts
+        else:
+            d.begin(state)
+        if self.model_map is not None:
+            self.model_map.begin(state)
+        state.scratch(self).update(last=None)
         state.run.extra["hybrid"] = {"suffix_steps": 0, "model_steps": 0}
+
+    def prefers_suffix(self, score: float, k: int) -> bool:
+        """The rule (see the class docstring) for a suffix tree of ``score`` against a model step of at most ``k``."""
+        m = self.measured
+        c = m["suffix_accepted"] / m["suffix_score"] if m["suffix_score"] > 0 else 1.0
+        steps = m["model_steps"] + 1  # one prior step
+        tokens = (m["model_tokens"] + self.prior_model) / steps
+        forwards = (m["model_forwards"] + k) / steps
+        return 1.0 + c * score >= self.switch * tokens / (1.0 + self.draft_cost * forwards)
 
     def end(self, state) -> None:
         self.suffix.end(state)
@@ -655,7 +694,7 @@ class HybridDrafter(Stage):
         n = len(state.tokens)
         if cache is None or n - 1 - cache.length < 2:
             return
-        missed = state.tokens[cache.length:n - 1]
+        missed = state.tokens[cache.length:n - 1]  # the whole prompt, at a request's first model step
         prefill(d.model, cache, missed, state.run.device)
         state.run.draft_forwards += 1
         dsc["fed"] = (cache.length, [])
@@ -665,35 +704,38 @@ class HybridDrafter(Stage):
         n = len(state.tokens)
         last = sc["last"]
         if last is not None:  # what the previous step's proposal earned: the tokens it committed, minus one
-            kind, n0, score = last
+            kind, n0, score, forwards = last
             got = n - n0 - 1
-            if kind == "suffix":
-                sc["suffix_score"] += score
-                sc["suffix_accepted"] += got
-            else:
-                sc["model_steps"] += 1
-                sc["model_accepted"] += got + 1
+            m = self.measured
+            with self._lock:
+                if kind == "suffix":
+                    m["suffix_score"] += score
+                    m["suffix_accepted"] += got
+                else:
+                    m["model_steps"] += 1
+                    m["model_tokens"] += got + 1
+                    m["model_forwards"] += forwards
+            if kind == "model":
                 self._settle(state)
             sc["last"] = None
         k = state.num_draft
+        model_k = k if self.model_k is None else min(k, self.model_k)
         toks, parents, scores, counts, _ = self.suffix.propose(state, k)
         s = sum(scores)
-        calib = sc["suffix_accepted"] / sc["suffix_score"] if sc["suffix_score"] > 0 else 1.0
-        model_rate = sc["model_accepted"] / sc["model_steps"] if sc["model_steps"] else self.prior_model
         extra = state.run.extra["hybrid"]
-        if toks and calib * s >= self.switch * model_rate:
+        if toks and self.prefers_suffix(s, model_k):
             write_tree(state, toks, parents, counts)
-            sc["last"] = ("suffix", n, s)
+            sc["last"] = ("suffix", n, s, 0)
             extra["suffix_steps"] += 1
             return
         self._catch_up(state)
-        if self.model_k is not None and k > self.model_k:
-            state.num_draft = self.model_k
+        state.num_draft = model_k
+        f0 = state.run.draft_forwards
         for st in self.model_stages:
             st.run(state)
         state.num_draft = k
         if not self._model_tree:
             state.draft_parents = tuple(range(state.draft_ids.shape[1]))
         if k > 0:
-            sc["last"] = ("model", n, 0.0)
+            sc["last"] = ("model", n, 0.0, state.run.draft_forwards - f0)
             extra["model_steps"] += 1

@@ -172,6 +172,56 @@ def test_the_hybrid_keeps_the_model_cache_on_the_committed_tokens(siblings):
     assert sum(s.draft_forwards for s in stats) > len(stats)
 
 
+def test_the_hybrid_rule_weighs_tokens_against_draft_forwards():
+    from graphspec import ModelDrafter
+
+    h = HybridDrafter(ModelDrafter(_draft()), draft_cost=0.2, prior_model=3.0)
+    # nothing measured: the prior model step, 3 tokens for 5 forwards, is worth 3 / (1 + 0.2 * 5) = 1.5 a verify
+    assert h.prefers_suffix(0.5, 5) and not h.prefers_suffix(0.4, 5)
+    # 10 model steps of 5 tokens and 5 forwards (with the prior: 53 / 11 tokens, 5 forwards a step): 2.41 a verify;
+    # a suffix tree expecting 1.5 tokens yields 2.5 a verify and is taken, though the model yields 3x more a step
+    h.measured.update(model_steps=10, model_tokens=50, model_forwards=50)
+    assert h.prefers_suffix(1.5, 5) and not h.prefers_suffix(1.3, 5)
+    # suffix trees were accepted at half their scores so far: the same tree is now worth 1 + 0.75
+    h.measured.update(suffix_score=20.0, suffix_accepted=10)
+    assert not h.prefers_suffix(1.5, 5) and h.prefers_suffix(2.9, 5)
+    # free draft forwards: only tokens per step count
+    h.draft_cost = 0.0
+    assert not h.prefers_suffix(6.0, 5) and h.prefers_suffix(7.7, 5)
+    with pytest.raises(ValueError, match="draft_cost"):
+        HybridDrafter(ModelDrafter(_draft()), draft_cost=-1)
+
+
+def test_the_hybrid_prefills_its_model_draft_only_when_it_drafts():
+    # switch=0: the suffix tree whenever there is one. The repetitive prompt has one at every step, so its request
+    # runs no draft forward at all, not even the prompt's prefill; a fresh prompt makes the model draft and catch up.
+    pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=4)
+    hybrid = pipe.graph["draft"]
+    hybrid.switch = 0.0
+    hybrid.suffix.learn = False
+    want = graphspec.Pipeline(pipe.target).run(REPETITIVE * 4, max_new_tokens=24, ignore_eos=True).token_ids
+    out = pipe.run(REPETITIVE * 4, max_new_tokens=24, ignore_eos=True)
+    assert out.token_ids == want
+    assert out.stats.draft_forwards == 0 and hybrid.measured["model_steps"] == 0
+    stats = _check_greedy(pipe, FRESH, n=24)
+    assert sum(s.draft_forwards for s in stats) > 0 and hybrid.measured["model_steps"] > 0
+    # what the steps earned is kept across requests
+    before = dict(hybrid.measured)
+    _check_greedy(pipe, FRESH[:1], n=24)
+    assert hybrid.measured["model_steps"] + hybrid.measured["suffix_score"] > before["model_steps"] + before[
+        "suffix_score"]
+
+
+def test_the_hybrid_model_draft_is_a_tree_by_default():
+    from graphspec.defaults import AUTO_DRAFT_SIBLINGS
+
+    pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=5)
+    assert pipe.choices.siblings == AUTO_DRAFT_SIBLINGS > 0
+    assert pipe.graph["draft"].model_drafter.siblings == AUTO_DRAFT_SIBLINGS
+    assert graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], draft_siblings=0).graph[
+        "draft"].model_drafter.siblings == 0
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("suffix")
