@@ -76,6 +76,9 @@ HYBRID_MODEL_K = 5             # a hybrid's model draft proposes at most this ma
 # set HybridDrafter(draft_cost=...) for another pair.
 HYBRID_DRAFT_COST = 0.2
 HYBRID_PRIOR_MODEL = 3.0       # tokens a model step is assumed to yield before one is measured (one step's weight)
+# Suffix trees' calibration starts at 1 with this many tokens of score behind it: one early tree that misses (a match
+# of one token with one occurrence scores 1 a node) must not put suffix trees out of use for good.
+HYBRID_PRIOR_SUFFIX = 4.0
 
 
 class SuffixAutomaton:
@@ -581,7 +584,8 @@ class HybridDrafter(Stage):
 
     Rule, in tokens per unit of time (a verify costs about the same for the few rows of either proposal):
     with ``s`` the suffix tree's score (its nodes' scores summed: the tokens it expects accepted), ``c`` the
-    accepted suffix tokens over the scores of the suffix trees proposed so far (1 before any), ``m`` the
+    accepted suffix tokens over the scores of the suffix trees proposed so far (both plus a prior of
+    ``HYBRID_PRIOR_SUFFIX``, so 1 before any), ``m`` the
     tokens a model step yielded (the bonus token included) and ``f`` the draft forwards it ran, both
     averaged over the model steps so far plus one prior step of ``prior_model`` tokens and ``model_k``
     forwards, the suffix tree is proposed when
@@ -654,7 +658,7 @@ class HybridDrafter(Stage):
     def prefers_suffix(self, score: float, k: int) -> bool:
         """The rule (see the class docstring) for a suffix tree of ``score`` against a model step of at most ``k``."""
         m = self.measured
-        c = m["suffix_accepted"] / m["suffix_score"] if m["suffix_score"] > 0 else 1.0
+        c = (m["suffix_accepted"] + HYBRID_PRIOR_SUFFIX) / (m["suffix_score"] + HYBRID_PRIOR_SUFFIX)
         steps = m["model_steps"] + 1  # one prior step
         tokens = (m["model_tokens"] + self.prior_model) / steps
         forwards = (m["model_forwards"] + k) / steps

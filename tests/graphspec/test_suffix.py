@@ -182,12 +182,16 @@ def test_the_hybrid_rule_weighs_tokens_against_draft_forwards():
     # a suffix tree expecting 1.5 tokens yields 2.5 a verify and is taken, though the model yields 3x more a step
     h.measured.update(model_steps=10, model_tokens=50, model_forwards=50)
     assert h.prefers_suffix(1.5, 5) and not h.prefers_suffix(1.3, 5)
-    # suffix trees were accepted at half their scores so far: the same tree is now worth 1 + 0.75
+    # suffix trees were accepted at half their scores so far (with the prior, 14 / 24): 1.5 is now worth 1.875
     h.measured.update(suffix_score=20.0, suffix_accepted=10)
     assert not h.prefers_suffix(1.5, 5) and h.prefers_suffix(2.9, 5)
     # free draft forwards: only tokens per step count
     h.draft_cost = 0.0
-    assert not h.prefers_suffix(6.0, 5) and h.prefers_suffix(7.7, 5)
+    assert not h.prefers_suffix(6.0, 5) and h.prefers_suffix(7.0, 5)
+    # one early tree that missed entirely does not rule suffix trees out (c = 4 / 9)
+    h.draft_cost = 0.2
+    h.measured.update(suffix_score=5.0, suffix_accepted=0)
+    assert h.prefers_suffix(3.5, 5) and not h.prefers_suffix(3.0, 5)
     with pytest.raises(ValueError, match="draft_cost"):
         HybridDrafter(ModelDrafter(_draft()), draft_cost=-1)
 
