@@ -58,3 +58,18 @@ def any_level(request):
     """Each C++ level this CPU executes, then the torch level (no C++), in force for the test."""
     with _cpu.use_level(request.param):
         yield request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_levels_built():
+    """Build every C++ level's extensions before the first test: a first build takes minutes on a loaded 2-core
+    machine (a fresh cache, as in CI), and a test that gives a subprocess or a server seconds to answer must not
+    pay for it. A level that does not build is left to its own tests, which fail and say why."""
+    if _TEST_DEVICE == "cpu":
+        for lv in C_LEVELS:
+            try:
+                _cpu.ops(lv)
+                _cpu.qops(lv)
+            except _cpu.NativeBuildError:
+                pass
+    yield
