@@ -406,16 +406,19 @@ class SpeculationPolicy:
     ``plan`` (what the engine uses) chooses per sequence: a k and the set of greedy sequences that draft it,
     the others taking a plain step in the same forward. A sequence whose draft is behind (never prefilled, or
     not fed while it did not draft) joins only if it pays for its catch-up too: the draft's prefill of those
-    tokens, which holds up the whole batch, spread over the steps it has left.
+    tokens, which holds up the whole batch, spread over the steps it has left. Drafting is chosen only when it
+    promises ``margin`` more tokens per second than plain steps.
     """
 
-    def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 4.0):
+    def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 4.0, margin: float = 0.1):
         self.costs = costs
         self.prior = prior
         self.prior_weight = prior_weight
+        self.margin = margin
 
-    def acceptance(self, accepted: int, proposed: int) -> float:
-        return (accepted + self.prior * self.prior_weight) / (proposed + self.prior_weight)
+    def acceptance(self, accepted: int, proposed: int, prior: float | None = None) -> float:
+        prior = self.prior if prior is None else prior
+        return (accepted + prior * self.prior_weight) / (proposed + self.prior_weight)
 
     def choose(self, max_k: int, running: int, accepted: int, proposed: int) -> int:
         """The k for one sequence, as if each of the ``running`` sequences drafted like it."""
@@ -423,9 +426,15 @@ class SpeculationPolicy:
 
     def position_rates(self, accepted_per_position: Sequence[int], proposed_per_position: Sequence[int]
                        ) -> list[float]:
-        """A sequence's acceptance at each draft position (that a proposal there is kept, given it was made),
-        each from the same prior: drafts grow less sure with depth, and a draft tree keeps more than a chain."""
-        return [self.acceptance(a, n) for a, n in zip(accepted_per_position, proposed_per_position)]
+        """A sequence's acceptance at each draft position (that a proposal there is kept, given it was made):
+        drafts grow less sure with depth, and a draft tree keeps more than a chain. The first position starts
+        from ``prior``, each later one from the position before it, so that positions a short draft never
+        reached are expected to do as the deepest one measured (else they would stay at the prior and never
+        be tried)."""
+        rates: list[float] = []
+        for a, n in zip(accepted_per_position, proposed_per_position):
+            rates.append(self.acceptance(a, n, rates[-1] if rates else None))
+        return rates
 
     @staticmethod
     def expected_tokens(a, k: int) -> float:
@@ -483,7 +492,9 @@ class SpeculationPolicy:
             return drafts + costs.target_cost(len(greedy) - m + m * (k + 1) + s_rows) + catch_up
 
         base = float(len(greedy)) + s_tokens
-        best, chosen = base / max(seconds(0, 0, 0.0), 1e-12), (0, [])
+        # Drafting must beat plain steps by ``margin``: what the table does not see (the threads' Python work
+        # between forwards, timing noise) falls on the drafting side.
+        best, chosen = (1 + self.margin) * base / max(seconds(0, 0, 0.0), 1e-12), (0, [])
         for k in range(1, max_k + 1) if greedy else ():
             rows_all = len(greedy) * (k + 1) + s_rows
             row = (costs.target_cost(rows_all) - costs.target_cost(len(greedy) + s_rows)) / max(len(greedy) * k, 1)
@@ -647,7 +658,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._closed = False
         self._local = threading.local()
-        self._seqs: dict[int, _Running] = {}  # worker thread -> what the policy reads of its sequence
+        self._seqs: dict[EngineSequence, _Running] = {}  # running sequence -> what the policy reads of it
 
     # ------------------------------------------------------------------------- state
 
@@ -695,9 +706,8 @@ class Engine:
         """This step's draft length for the calling sequence: K for sampled ones (so that a seed gives the same
         sample alone and batched), else what the policy's plan for all running sequences gives it, from each
         one's acceptance so far and how far its draft is behind."""
-        me = threading.get_ident()
         with self._lock:
-            mine = self._seqs.get(me)
+            mine = self._seqs.get(getattr(self._local, "seq", None))
             if mine is not None:
                 mine.stats = stats
                 mine.context = stats.prompt_tokens + stats.generated_tokens
@@ -708,10 +718,11 @@ class Engine:
         policy = self.policy()
         if policy is None:
             return k
-        with self._lock:
-            running = [r for r in self._seqs.values() if r.stats is not None]
-        views = [SequenceView(policy.position_rates(r.stats.accepted_per_position, r.stats.proposed_per_position),
-                              greedy=r.greedy, catch_up=self._catch_up(r), remaining=r.max_new - r.stats.generated_tokens)
+        with self._lock:  # those still in their prefill too: they join the next steps
+            running = list(self._seqs.values())
+        views = [SequenceView(policy.position_rates(r.stats.accepted_per_position, r.stats.proposed_per_position)
+                              if r.stats is not None else policy.prior, greedy=r.greedy, catch_up=self._catch_up(r),
+                              remaining=r.max_new - (r.stats.generated_tokens if r.stats is not None else 0))
                  for r in running]
         mine_k = policy.plan(k, views)[running.index(mine)]
         mine.drafted = mine_k > 0
@@ -754,8 +765,10 @@ class Engine:
         return seq
 
     def _start(self, args) -> None:  # under self._lock
-        seq = args[0]
+        seq, ids, max_new_tokens, params = args[:4]
         self._active.add(seq)
+        # known to the policy from now on, so that the first sequence to step plans for those still prefilling
+        self._seqs[seq] = _Running(greedy=params.greedy, max_new=max_new_tokens, context=len(ids))
         t = threading.Thread(target=self._work, args=args, name=f"graphspec-{seq.request_id}", daemon=True)
         self._threads.add(t)
         self._batcher.join_for(t)
@@ -763,8 +776,7 @@ class Engine:
 
     def _work(self, seq: EngineSequence, ids, max_new_tokens, params, ignore_eos, stops) -> None:
         self._local.params = params
-        with self._lock:
-            self._seqs[threading.get_ident()] = _Running(greedy=params.greedy, max_new=max_new_tokens)
+        self._local.seq = seq
         self._batcher.enter()
         gen = None
         try:
@@ -790,7 +802,7 @@ class Engine:
             self._batcher.leave()
             self._finish(seq)
             with self._lock:
-                self._seqs.pop(threading.get_ident(), None)
+                self._seqs.pop(seq, None)
                 self._active.discard(seq)
                 self._threads.discard(threading.current_thread())
                 while self._queue and len(self._active) < self.max_batch:

@@ -327,7 +327,10 @@ def test_expected_tokens_per_position():
     policy = SpeculationPolicy(costs)
     assert policy.choose_batch(5, [[0.95, 0.05, 0.05, 0.05, 0.05]]) == 1
     assert policy.choose_batch(5, [[0.95] * 5]) == 5
-    assert policy.position_rates([10, 0], [10, 0]) == [pytest.approx(12.4 / 14), pytest.approx(0.6)]
+    # a position never reached starts from the one before it, so that a short draft that does well is lengthened
+    assert policy.position_rates([10, 0], [10, 0]) == [pytest.approx(12.4 / 14)] * 2
+    assert policy.position_rates([0, 0], [10, 0]) == [pytest.approx(2.4 / 14)] * 2
+    assert policy.position_rates([9, 5], [10, 10])[1] == pytest.approx((5 + 4 * 11.4 / 14) / 14)
 
 
 def test_suffix_drafts_share_their_store_across_batched_sequences(tiny_dirs):
@@ -427,3 +430,36 @@ def test_drafts_that_start_late_and_catch_up_keep_outputs_and_stay_in_step(tiny_
             accepted = sum(r.stats.accepted for r in greedy)
             proposed = sum(r.stats.proposed for r in greedy)
             assert accepted >= 0.9 * proposed, (accepted, proposed)
+
+
+def test_plan_drafts_only_past_the_margin():
+    """A drafting plan must promise ``margin`` more tokens per second than plain steps."""
+    costs = CostTable(target={1: 1.0, 2: 1.5}, draft={1: 0.1})
+    # k=1 at acceptance 0.9: 1.9 tokens in 1.6 s, 1.19 tokens/s against plain's 1.0
+    assert SpeculationPolicy(costs, margin=0.1).plan(1, [SequenceView([0.9])]) == [1]
+    assert SpeculationPolicy(costs, margin=0.25).plan(1, [SequenceView([0.9])]) == [0]
+    assert SpeculationPolicy(costs, margin=0.0).plan(1, [SequenceView([0.7])]) == [1]
+    assert SpeculationPolicy(costs, margin=0.1).plan(1, [SequenceView([0.7])]) == [0]
+
+
+class _Recording(SpeculationPolicy):
+    def __init__(self, costs):
+        super().__init__(costs)
+        self.seen: list[int] = []
+
+    def plan(self, max_k, sequences):
+        self.seen.append(len(sequences))
+        return super().plan(max_k, sequences)
+
+
+def test_policy_counts_sequences_still_in_their_prefill(tiny_dirs):
+    """The first sequence to finish its prefill plans for every sequence started with it, not as if alone (else
+    it would draft, and prefill its draft, for a batch of one)."""
+    pipe = _pipes(tiny_dirs, torch.float32)["model"]
+    policy = _Recording(CostTable(target={1: 1.0, 64: 1.0}, draft={1: 0.0}))
+    engine = Engine(pipe, max_batch=4, policy=policy)
+    with engine._batcher._cv:  # no forward runs until all four are in (their first calls wait on this lock)
+        seqs = [engine.submit(p, max_new_tokens=4, ignore_eos=True) for p in PROMPTS[:4]]
+    for s in seqs:
+        s.result(timeout=60)
+    assert policy.seen[0] == 4, policy.seen
