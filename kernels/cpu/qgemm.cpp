@@ -243,7 +243,6 @@ inline VF mul(VF a, float b) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(b))}; }
 inline VF add(VF a, float b) { return {_mm512_add_ps(a.v, _mm512_set1_ps(b))}; }
 inline VF sub(VF a, float b) { return {_mm512_sub_ps(a.v, _mm512_set1_ps(b))}; }
 inline VF zero() { return {_mm512_setzero_ps()}; }
-inline VF fma(VF w, const float* x, VF acc) { return {_mm512_fmadd_ps(w.v, _mm512_loadu_ps(x), acc.v)}; }
 inline void store(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
 #else
 struct VI { __m256i lo, hi; };
@@ -267,19 +266,32 @@ inline VF mul(VF a, float b) { const __m256 v = _mm256_set1_ps(b); return {_mm25
 inline VF add(VF a, float b) { const __m256 v = _mm256_set1_ps(b); return {_mm256_add_ps(a.lo, v), _mm256_add_ps(a.hi, v)}; }
 inline VF sub(VF a, float b) { const __m256 v = _mm256_set1_ps(b); return {_mm256_sub_ps(a.lo, v), _mm256_sub_ps(a.hi, v)}; }
 inline VF zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline VF fma(VF w, const float* x, VF acc) {
-  return {_mm256_fmadd_ps(w.lo, _mm256_loadu_ps(x), acc.lo), _mm256_fmadd_ps(w.hi, _mm256_loadu_ps(x + 8), acc.hi)};
-}
 inline void store(float* p, VF a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 #endif
 
-// acc[m] += the block's 16-weight chunk at offset `off` times x[m, off ..]: the weights dequantized in registers,
-// with the same fp32 operations as dequant_row (so the same values), then one FMA per row.
-// `acc` is the M sums of the chunks at k = 0 mod 32; the second chunk of each 32 adds into the next M (acc + M), so
-// that a row has two independent FMA chains.
-template <int M>
-inline void chunk(VF w, const float* x, int64_t ldx, int off, VF* acc) {
-  for (int m = 0; m < M; ++m) acc[m] = fma(w, x + m * ldx + off, acc[m]);
+#define GS_INLINE __attribute__((always_inline)) inline
+
+inline VF loadx(const float* p) {
+#if GS_AVX512
+  return {_mm512_loadu_ps(p)};
+#else
+  return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+#endif
+}
+GS_INLINE VF fma(VF w, VF x, VF acc) {
+#if GS_AVX512
+  return {_mm512_fmadd_ps(w.v, x.v, acc.v)};
+#else
+  return {_mm256_fmadd_ps(w.lo, x.lo, acc.lo), _mm256_fmadd_ps(w.hi, x.hi, acc.hi)};
+#endif
+}
+// 16 int8 lanes of an xmm, sign-extended to 16 int32 lanes.
+GS_INLINE VI widen_i8(__m128i q) {
+#if GS_AVX512
+  return {_mm512_cvtepi8_epi32(q)};
+#else
+  return {_mm256_cvtepi8_epi32(q), _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))};
+#endif
 }
 
 #if GS_AVX512
@@ -287,169 +299,188 @@ inline void chunk(VF w, const float* x, int64_t ldx, int off, VF* acc) {
 // for each weight (so the same values), then looked up per weight with vpermps (which reads the low 4 bits of each
 // index lane, so the low nibbles need no mask): one shuffle instead of a convert, a multiply and an add.
 inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-inline VF lookup(VI idx, __m512 table) { return {_mm512_permutexvar_ps(idx.v, table)}; }
-inline VF q6(__m128i q, float ds) { return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(ds))}; }
+GS_INLINE VF lookup(VI idx, __m512 table) { return {_mm512_permutexvar_ps(idx.v, table)}; }
 #endif
 
-template <int T, int M>
-inline void block_dot(const uint8_t* __restrict p, const float* __restrict x, int64_t ldx, VF* acc) {
-  if constexpr (T == Q8_0) {
-    const float d = h2f(p);
-    chunk<M>(mul(cvt(load_i8(p + 2)), d), x, ldx, 0, acc);
-    chunk<M>(mul(cvt(load_i8(p + 18)), d), x, ldx, 16, acc + M);
-  } else if constexpr (T == Q4_0 || T == Q4_1) {
-    const float d = h2f(p);
-    const VI raw = load_u8(p + (T == Q4_0 ? 2 : 4));
+// The weights of one weight row's block, dequantized in registers 32 at a time: block(p) reads the block's scales
+// once; part(s, w) gives the weights k = 32 s .. 32 s + 31 of the block as two 16-lane chunks, with the same fp32
+// operations as dequant_row (so the same values).
+template <int T>
+struct Dec {
+  static constexpr int kSubs = kBlockSize[T] / 32;
+  const uint8_t* p;
+  float d, mn;
+  float ds[16], dm[8];
 #if GS_AVX512
-    const __m512 q = T == Q4_0 ? _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)) : iota16();  // float(q) or float(q - 8)
-    __m512 table = _mm512_mul_ps(_mm512_set1_ps(d), q);
-    if constexpr (T == Q4_1) table = _mm512_add_ps(table, _mm512_set1_ps(h2f(p + 2)));
-    chunk<M>(lookup(raw, table), x, ldx, 0, acc);
-    chunk<M>(lookup(srl(raw, 4), table), x, ldx, 16, acc + M);
-    return;
+  __m512 t0, t1;  // Q4_0 / Q4_1: the block's 16 values; Q5_0 / Q5_1: its 32 values as two tables
 #endif
-    const VI lo = and_(raw, 0xF), hi = srl(raw, 4);
-    if constexpr (T == Q4_0) {
-      chunk<M>(mul(cvt(sub(lo, 8)), d), x, ldx, 0, acc);
-      chunk<M>(mul(cvt(sub(hi, 8)), d), x, ldx, 16, acc + M);
-    } else {
-      const float mn = h2f(p + 2);
-      chunk<M>(add(mul(cvt(lo), d), mn), x, ldx, 0, acc);
-      chunk<M>(add(mul(cvt(hi), d), mn), x, ldx, 16, acc + M);
-    }
-  } else if constexpr (T == Q5_0 || T == Q5_1) {
-    const float d = h2f(p);
-    const int off = T == Q5_0 ? 2 : 4;
-    uint32_t qh;
-    std::memcpy(&qh, p + off, 4);
-    const VI raw = load_u8(p + off + 4);
+
+  GS_INLINE void block(const uint8_t* q) {
+    p = q;
+    if constexpr (T == Q8_0) {
+      d = h2f(q);
+    } else if constexpr (T == Q4_0 || T == Q4_1) {
+      d = h2f(q);
 #if GS_AVX512
-    {  // the block's 32 possible weights as two tables; the fifth bit set from qh as a mask, vpermt2ps looks up
+      const __m512 v = T == Q4_0 ? _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)) : iota16();  // float(q) or (q - 8)
+      t0 = _mm512_mul_ps(_mm512_set1_ps(d), v);
+      if constexpr (T == Q4_1) t0 = _mm512_add_ps(t0, _mm512_set1_ps(h2f(q + 2)));
+#else
+      if constexpr (T == Q4_1) mn = h2f(q + 2);
+#endif
+    } else if constexpr (T == Q5_0 || T == Q5_1) {
+      d = h2f(q);
+#if GS_AVX512
       const __m512 iota = iota16(), dv = _mm512_set1_ps(d), sixteen = _mm512_set1_ps(16.0f);
-      __m512 t0, t1;
       if constexpr (T == Q5_0) {
         t0 = _mm512_mul_ps(dv, _mm512_sub_ps(iota, sixteen));  // q = 0..15: d * (q - 16)
         t1 = _mm512_mul_ps(dv, iota);                          // q = 16..31
       } else {
-        const __m512 mv = _mm512_set1_ps(h2f(p + 2));
+        const __m512 mv = _mm512_set1_ps(h2f(q + 2));
         t0 = _mm512_add_ps(_mm512_mul_ps(dv, iota), mv);
         t1 = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_add_ps(iota, sixteen)), mv);
       }
+#else
+      if constexpr (T == Q5_1) mn = h2f(q + 2);
+#endif
+    } else if constexpr (T == Q4_K || T == Q5_K) {
+      // k_scales with the 6-bit fields unpacked four at a time in 32-bit words, then converted 8 at a time
+      uint32_t a, b, c;
+      std::memcpy(&a, q + 4, 4);
+      std::memcpy(&b, q + 8, 4);
+      std::memcpy(&c, q + 12, 4);
+      const uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = b & 0x3F3F3F3Fu;
+      const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+      const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+      const __m128i v = _mm_set_epi32(static_cast<int>(mn_hi), static_cast<int>(mn_lo), static_cast<int>(sc_hi),
+                                      static_cast<int>(sc_lo));
+      _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(h2f(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+      _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(q + 2)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+    } else if constexpr (T == Q6_K) {
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 192));
+      const __m256 dd = _mm256_set1_ps(h2f(q + 208));
+      _mm256_storeu_ps(ds, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+      _mm256_storeu_ps(ds + 8, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    }
+  }
+
+  GS_INLINE void part(int s, VF* w) const {
+    if constexpr (T == Q8_0) {
+      w[0] = mul(cvt(load_i8(p + 2)), d);
+      w[1] = mul(cvt(load_i8(p + 18)), d);
+    } else if constexpr (T == Q4_0 || T == Q4_1) {
+      const VI raw = load_u8(p + (T == Q4_0 ? 2 : 4));
+#if GS_AVX512
+      w[0] = lookup(raw, t0);
+      w[1] = lookup(srl(raw, 4), t0);
+#else
+      const VI lo = and_(raw, 0xF), hi = srl(raw, 4);
+      if constexpr (T == Q4_0) {
+        w[0] = mul(cvt(sub(lo, 8)), d);
+        w[1] = mul(cvt(sub(hi, 8)), d);
+      } else {
+        w[0] = add(mul(cvt(lo), d), mn);
+        w[1] = add(mul(cvt(hi), d), mn);
+      }
+#endif
+    } else if constexpr (T == Q5_0 || T == Q5_1) {
+      const int off = T == Q5_0 ? 2 : 4;
+      uint32_t qh;
+      std::memcpy(&qh, p + off, 4);
+      const VI raw = load_u8(p + off + 4);
+#if GS_AVX512
+      // the fifth bit set from qh as a mask, vpermt2ps looks up the block's 32 values
       const __m512i lo = _mm512_and_si512(raw.v, _mm512_set1_epi32(0xF)), hi = _mm512_srli_epi32(raw.v, 4);
       const __m512i s16 = _mm512_set1_epi32(16);
       const __m512i i0 = _mm512_mask_or_epi32(lo, static_cast<__mmask16>(qh & 0xFFFF), lo, s16);
       const __m512i i1 = _mm512_mask_or_epi32(hi, static_cast<__mmask16>(qh >> 16), hi, s16);
-      chunk<M>(VF{_mm512_permutex2var_ps(t0, i0, t1)}, x, ldx, 0, acc);
-      chunk<M>(VF{_mm512_permutex2var_ps(t0, i1, t1)}, x, ldx, 16, acc + M);
-      return;
-    }
-#endif
-    const VI lo = or_(and_(raw, 0xF), sll(bits16(qh), 4)), hi = or_(srl(raw, 4), sll(bits16(qh >> 16), 4));
-    if constexpr (T == Q5_0) {
-      chunk<M>(mul(cvt(sub(lo, 16)), d), x, ldx, 0, acc);
-      chunk<M>(mul(cvt(sub(hi, 16)), d), x, ldx, 16, acc + M);
-    } else {
-      const float mn = h2f(p + 2);
-      chunk<M>(add(mul(cvt(lo), d), mn), x, ldx, 0, acc);
-      chunk<M>(add(mul(cvt(hi), d), mn), x, ldx, 16, acc + M);
-    }
-  } else if constexpr (T == Q4_K || T == Q5_K) {
-    const float d = h2f(p), dmin = h2f(p + 2);
-    const uint8_t* sc = p + 4;
-    const uint8_t* qs = p + (T == Q4_K ? 16 : 48);
-    VI h0{}, h1{};
-    if constexpr (T == Q5_K) {
-      h0 = load_u8(p + 16);
-      h1 = load_u8(p + 32);
-    }
-    float dss[8], dms[8];
-    k_scales(sc, d, dmin, dss, dms);
-    for (int i = 0; i < 4; ++i) {
-      const VI r0 = load_u8(qs + 32 * i), r1 = load_u8(qs + 32 * i + 16);
-      for (int half = 0; half < 2; ++half) {
-        const int s = 2 * i + half;
-        const float ds = dss[s], dm = dms[s];
-#if GS_AVX512
-        if constexpr (T == Q4_K) {
-          const __m512 table = _mm512_sub_ps(_mm512_mul_ps(iota16(), _mm512_set1_ps(ds)), _mm512_set1_ps(dm));
-          chunk<M>(lookup(half ? srl(r0, 4) : r0, table), x, ldx, 32 * s, acc);
-          chunk<M>(lookup(half ? srl(r1, 4) : r1, table), x, ldx, 32 * s + 16, acc + M);
-          continue;
-        }
-#endif
-        VI q0 = half ? srl(r0, 4) : and_(r0, 0xF), q1 = half ? srl(r1, 4) : and_(r1, 0xF);
-        if constexpr (T == Q5_K) {
-          q0 = or_(q0, sll(and_(srl(h0, s), 1), 4));
-          q1 = or_(q1, sll(and_(srl(h1, s), 1), 4));
-        }
-        chunk<M>(sub(mul(cvt(q0), ds), dm), x, ldx, 32 * s, acc);
-        chunk<M>(sub(mul(cvt(q1), ds), dm), x, ldx, 32 * s + 16, acc + M);
+      w[0] = VF{_mm512_permutex2var_ps(t0, i0, t1)};
+      w[1] = VF{_mm512_permutex2var_ps(t0, i1, t1)};
+#else
+      const VI lo = or_(and_(raw, 0xF), sll(bits16(qh), 4)), hi = or_(srl(raw, 4), sll(bits16(qh >> 16), 4));
+      if constexpr (T == Q5_0) {
+        w[0] = mul(cvt(sub(lo, 16)), d);
+        w[1] = mul(cvt(sub(hi, 16)), d);
+      } else {
+        w[0] = add(mul(cvt(lo), d), mn);
+        w[1] = add(mul(cvt(hi), d), mn);
       }
-    }
-  } else if constexpr (T == Q6_K) {
-    const uint8_t* ql = p;
-    const uint8_t* qh = p + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
-    const float d = h2f(p + 208);
-    float ds[16];
-    for (int j = 0; j < 16; ++j) ds[j] = d * static_cast<float>(scales[j]);
-#if GS_AVX512
-    // 64 quants at a time in byte lanes (nibbles, the two high bits, minus 32), then 16 widened per chunk
-    const __m512i m0f = _mm512_set1_epi8(0x0F), m03 = _mm512_set1_epi8(0x03), b32 = _mm512_set1_epi8(32);
-    for (int h = 0; h < 2; ++h) {
-      const __m512i l = _mm512_loadu_si512(ql + 64 * h);
-      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-      const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(hb), hb, 1);
-      // groups s = 0, 1 (low nibbles of ql bytes 0..31, 32..63; qh bits 0-1, 2-3), then s = 2, 3 (high nibbles;
-      // qh bits 4-5, 6-7): a 64-bit lane shift then & 3 keeps each byte's own two bits
-      const __m512i hl = _mm512_and_si512(_mm512_srlv_epi64(hh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), m03);
-      const __m512i hu = _mm512_and_si512(_mm512_srlv_epi64(hh, _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6)), m03);
-      const __m512i qa = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(l, m0f), _mm512_slli_epi16(hl, 4)), b32);
-      const __m512i qb = _mm512_sub_epi8(
-          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m0f), _mm512_slli_epi16(hu, 4)), b32);
-      const int g = 4 * h;
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 0), ds[2 * g]), x, ldx, 32 * g, acc);
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 1), ds[2 * g + 1]), x, ldx, 32 * g + 16, acc + M);
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 2), ds[2 * g + 2]), x, ldx, 32 * g + 32, acc);
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qa, 3), ds[2 * g + 3]), x, ldx, 32 * g + 48, acc + M);
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 0), ds[2 * g + 4]), x, ldx, 32 * g + 64, acc);
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 1), ds[2 * g + 5]), x, ldx, 32 * g + 80, acc + M);
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 2), ds[2 * g + 6]), x, ldx, 32 * g + 96, acc);
-      chunk<M>(q6(_mm512_extracti32x4_epi32(qb, 3), ds[2 * g + 7]), x, ldx, 32 * g + 112, acc + M);
-    }
-    return;
 #endif
-    for (int h = 0; h < 2; ++h) {
-      const VI hb0 = load_u8(qh + 32 * h), hb1 = load_u8(qh + 32 * h + 16);
-      // groups in increasing k (each lane's sum runs in k order): group s of this half takes the low (s < 2) or
-      // high nibbles of ql bytes 64h + 32 (s % 2) .. and bits 2s, 2s + 1 of the qh bytes
-      for (int s = 0; s < 4; ++s) {
-        const int g = 4 * h + s, t = s / 2;
-        const VI l0 = load_u8(ql + 64 * h + 32 * (s % 2)), l1 = load_u8(ql + 64 * h + 32 * (s % 2) + 16);
-        const VI q0 = sub(or_(t ? srl(l0, 4) : and_(l0, 0xF), sll(and_(srl(hb0, 2 * s), 3), 4)), 32);
-        const VI q1 = sub(or_(t ? srl(l1, 4) : and_(l1, 0xF), sll(and_(srl(hb1, 2 * s), 3), 4)), 32);
-        chunk<M>(mul(cvt(q0), ds[2 * g]), x, ldx, 32 * g, acc);
-        chunk<M>(mul(cvt(q1), ds[2 * g + 1]), x, ldx, 32 * g + 16, acc + M);
+    } else if constexpr (T == Q4_K || T == Q5_K) {
+      // sub-block s: the low (even s) or high nibbles of qs bytes 32 (s / 2) .., and bit s of the qh bytes
+      const uint8_t* qs = p + (T == Q4_K ? 16 : 48) + 32 * (s / 2);
+      const VI r0 = load_u8(qs), r1 = load_u8(qs + 16);
+      const int half = s & 1;
+#if GS_AVX512
+      if constexpr (T == Q4_K) {
+        const __m512 table = _mm512_sub_ps(_mm512_mul_ps(iota16(), _mm512_set1_ps(ds[s])), _mm512_set1_ps(dm[s]));
+        w[0] = lookup(half ? srl(r0, 4) : r0, table);
+        w[1] = lookup(half ? srl(r1, 4) : r1, table);
+        return;
       }
+#endif
+      VI q0 = half ? srl(r0, 4) : and_(r0, 0xF), q1 = half ? srl(r1, 4) : and_(r1, 0xF);
+      if constexpr (T == Q5_K) {
+        q0 = or_(q0, sll(and_(srl(load_u8(p + 16), s), 1), 4));
+        q1 = or_(q1, sll(and_(srl(load_u8(p + 32), s), 1), 4));
+      }
+      w[0] = sub(mul(cvt(q0), ds[s]), dm[s]);
+      w[1] = sub(mul(cvt(q1), ds[s]), dm[s]);
+    } else if constexpr (T == Q6_K) {
+      // group s = 4 h + g: the low (g < 2) or high nibbles of ql bytes 64 h + 32 (g % 2) .., bits 2 g, 2 g + 1 of
+      // the qh bytes 32 h .., minus 32; in byte lanes (a 16-bit shift, then a mask that keeps each byte's own bits)
+      const int h = s / 4, g = s % 4;
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (g % 2)));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+      const __m256i lo4 = _mm256_and_si256(g / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+      const __m256i hi2 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(0x03));
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), _mm256_set1_epi8(32));
+      w[0] = mul(cvt(widen_i8(_mm256_castsi256_si128(q))), ds[2 * s]);
+      w[1] = mul(cvt(widen_i8(_mm256_extracti128_si256(q, 1))), ds[2 * s + 1]);
     }
   }
-}
+};
 
-// One weight row times M rows of x, the weights dequantized in registers; the same sums as dot_rows on the
-// dequantized row (lane l of acc[m] is dot_rows' lane l).
+// One weight row times M rows of x, the weights dequantized in registers and read once. The same sums as dot_rows
+// on the dequantized row: chunk c (k = 32 s + 16 c ..) of every 32 goes to acc[c][m], whose lane l is dot_rows'
+// lane 16 c + l, so a row's bits do not depend on M.
 template <int T, int M>
 void row_dot(const uint8_t* __restrict row, const float* __restrict x, int64_t ldx, int64_t k, float* __restrict out) {
-  VF acc[2 * M];
-  for (int m = 0; m < 2 * M; ++m) acc[m] = zero();
+  VF acc[2][M];
+  for (int c = 0; c < 2; ++c)
+    for (int m = 0; m < M; ++m) acc[c][m] = zero();
   const int64_t nb = k / kBlockSize[T];
-  for (int64_t b = 0; b < nb; ++b) block_dot<T, M>(row + b * kTypeSize[T], x + b * kBlockSize[T], ldx, acc);
+  for (int64_t b = 0; b < nb; ++b) {
+    Dec<T> dec;
+    dec.block(row + b * kTypeSize[T]);
+    const float* xb = x + b * kBlockSize[T];
+#pragma GCC unroll 8
+    for (int s = 0; s < Dec<T>::kSubs; ++s) {
+      VF w[2];
+      dec.part(s, w);
+      for (int c = 0; c < 2; ++c)
+        for (int m = 0; m < M; ++m) acc[c][m] = fma(w[c], loadx(xb + m * ldx + 32 * s + 16 * c), acc[c][m]);
+    }
+  }
   for (int m = 0; m < M; ++m) {
     float a[kLanes];
-    store(a, acc[m]);
-    store(a + 16, acc[M + m]);
+    store(a, acc[0][m]);
+    store(a + 16, acc[1][m]);
     for (int width = kLanes / 2; width >= 1; width /= 2)
       for (int l = 0; l < width; ++l) a[l] = a[l] + a[l + width];
     out[m] = a[0];
+  }
+}
+
+// Weight rows n0 .. n1 times the M rows of x into y (row stride n), bias added.
+template <int T, int M>
+void rows_range(const uint8_t* blocks, int64_t row_bytes, const float* x, int64_t k, int64_t n0, int64_t n1,
+                int64_t n, const float* bias, float* y) {
+  float out[M];
+  for (int64_t j = n0; j < n1; ++j) {
+    row_dot<T, M>(blocks + j * row_bytes, x, k, k, out);
+    for (int m = 0; m < M; ++m) y[m * n + j] = bias ? out[m] + bias[j] : out[m];
   }
 }
 
@@ -463,10 +494,12 @@ constexpr DotFn kDot[kMaxRows + 1] = {nullptr, dot_rows<1>, dot_rows<2>, dot_row
                                       dot_rows<5>, dot_rows<6>, dot_rows<7>, dot_rows<8>};
 
 #if GS_AVX512 || GS_AVX2
-using RowDotFn = void (*)(const uint8_t*, const float*, int64_t, int64_t, float*);
+using RangeFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, const float*,
+                         float*);
 template <int T>
-constexpr RowDotFn kRowDot[kMaxRows + 1] = {nullptr, row_dot<T, 1>, row_dot<T, 2>, row_dot<T, 3>, row_dot<T, 4>,
-                                            row_dot<T, 5>, row_dot<T, 6>, row_dot<T, 7>, row_dot<T, 8>};
+constexpr RangeFn kRange[kMaxRows + 1] = {nullptr, rows_range<T, 1>, rows_range<T, 2>, rows_range<T, 3>,
+                                          rows_range<T, 4>, rows_range<T, 5>, rows_range<T, 6>, rows_range<T, 7>,
+                                          rows_range<T, 8>};
 #endif
 
 template <int T>
@@ -475,20 +508,19 @@ void run(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n,
   // About 256 KB of weights per task: enough to amortize the pool, small enough to share 1.5B's matrices.
   const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, row_bytes));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+#if GS_AVX512 || GS_AVX2
+    if constexpr (in_registers(T)) {
+      if (m <= kMaxRows) {  // decode / verify: dequantized in registers, the weight rows read once
+        kRange<T>[m](blocks, row_bytes, x, k, n0, n1, n, bias, y);
+        return;
+      }
+    }
+#endif
     std::vector<float> wbuf(static_cast<size_t>(k));
     float out[kMaxRows];
     for (int64_t j = n0; j < n1; ++j) {
       const uint8_t* row = blocks + j * row_bytes;
       const float b = bias ? bias[j] : 0.0f;
-#if GS_AVX512 || GS_AVX2
-      if constexpr (in_registers(T)) {
-        if (m <= kMaxRows) {  // decode / verify: dequantized in registers, the weight row read once
-          kRowDot<T>[m](row, x, k, k, out);
-          for (int64_t i = 0; i < m; ++i) y[i * n + j] = bias ? out[i] + b : out[i];
-          continue;
-        }
-      }
-#endif
       // more rows (prefill), F32 / F16 / BF16, and the generic level: the row dequantized once into wbuf
       dequant_row<T>(row, k, wbuf.data());
       for (int64_t r = 0; r < m; r += kMaxRows) {
