@@ -30,9 +30,11 @@
   so the output keeps the target's distribution.
 - ``HybridDrafter`` (``draft=[model, "suffix"]``): per step whichever of the two should give more tokens
   per unit of time. A suffix step costs one verify and no draft forward: it yields 1 + its tree's score,
-  calibrated by how well suffix trees were accepted so far. A model step costs one verify plus its draft
-  forwards (``draft_cost`` of a verify each): it yields the tokens model steps yielded so far. Both are
-  measured over the drafter's life (across requests, as the store learns across them). The model draft
+  calibrated by how far the trees built so far agreed with the tokens then committed (every step's tree,
+  the ones not proposed too, so that a few early misses cannot rule suffix trees out for good). A model
+  step costs one verify plus its draft forwards (``draft_cost`` of a verify each): it yields the tokens
+  model steps yielded so far. Both are measured over the drafter's life (across requests, as the store
+  learns across them). The model draft
   (any model drafter, with the target's tokenizer or another: the suffix structure is in the target's
   tokens) is prefilled only when it first drafts, so a request that suffix trees serve throughout never
   pays for it. The choice reads only the draft side and committed tokens, so the output stays lossless.
@@ -575,6 +577,17 @@ def write_tree(state, toks: list[int], parents: list[int], counts: list[int]) ->
     state.draft_probs = probs.to(device)
 
 
+def _followed(toks: list[int], parents: list[int], committed: list[int]) -> int:
+    """How many tokens of a tree (``parents`` index ``toks``, -1 the root) ``committed`` follows from its root."""
+    cur, got = -1, 0
+    for t in committed:
+        cur = next((i for i, (a, p) in enumerate(zip(toks, parents)) if p == cur and a == t), None)
+        if cur is None:
+            break
+        got += 1
+    return got
+
+
 class HybridDrafter(Stage):
     """Per step, the suffix tree when it should be accepted well, else a model draft (lossless either way).
 
@@ -584,8 +597,9 @@ class HybridDrafter(Stage):
 
     Rule, in tokens per unit of time (a verify costs about the same for the few rows of either proposal):
     with ``s`` the suffix tree's score (its nodes' scores summed: the tokens it expects accepted), ``c`` the
-    accepted suffix tokens over the scores of the suffix trees proposed so far (both plus a prior of
-    ``HYBRID_PRIOR_SUFFIX``, so 1 before any), ``m`` the
+    tokens of the suffix trees built so far that the committed tokens then followed, over their scores
+    (both plus a prior of ``HYBRID_PRIOR_SUFFIX``, so 1 before any; a tree not proposed is checked against
+    what the model step committed), ``m`` the
     tokens a model step yielded (the bonus token included) and ``f`` the draft forwards it ran, both
     averaged over the model steps so far plus one prior step of ``prior_model`` tokens and ``model_k``
     forwards, the suffix tree is proposed when
@@ -707,15 +721,15 @@ class HybridDrafter(Stage):
         sc = state.scratch(self)
         n = len(state.tokens)
         last = sc["last"]
-        if last is not None:  # what the previous step's proposal earned: the tokens it committed, minus one
-            kind, n0, score, forwards = last
+        if last is not None:  # what the previous step earned: the tokens it committed, minus one
+            kind, n0, tree, forwards = last
             got = n - n0 - 1
             m = self.measured
             with self._lock:
-                if kind == "suffix":
-                    m["suffix_score"] += score
-                    m["suffix_accepted"] += got
-                else:
+                if tree[0]:  # the step's suffix tree, proposed or not, against the tokens committed
+                    m["suffix_score"] += sum(tree[2])
+                    m["suffix_accepted"] += _followed(tree[0], tree[1], state.tokens[n0:n])
+                if kind == "model":
                     m["model_steps"] += 1
                     m["model_tokens"] += got + 1
                     m["model_forwards"] += forwards
@@ -725,11 +739,11 @@ class HybridDrafter(Stage):
         k = state.num_draft
         model_k = k if self.model_k is None else min(k, self.model_k)
         toks, parents, scores, counts, _ = self.suffix.propose(state, k)
-        s = sum(scores)
+        tree = (toks, parents, scores)
         extra = state.run.extra["hybrid"]
-        if toks and self.prefers_suffix(s, model_k):
+        if toks and self.prefers_suffix(sum(scores), model_k):
             write_tree(state, toks, parents, counts)
-            sc["last"] = ("suffix", n, s, 0)
+            sc["last"] = ("suffix", n, tree, 0)
             extra["suffix_steps"] += 1
             return
         self._catch_up(state)
@@ -741,5 +755,5 @@ class HybridDrafter(Stage):
         if not self._model_tree:
             state.draft_parents = tuple(range(state.draft_ids.shape[1]))
         if k > 0:
-            sc["last"] = ("model", n, 0.0, state.run.draft_forwards - f0)
+            sc["last"] = ("model", n, tree, state.run.draft_forwards - f0)
             extra["model_steps"] += 1

@@ -216,6 +216,28 @@ def test_the_hybrid_prefills_its_model_draft_only_when_it_drafts():
         "suffix_score"]
 
 
+def test_the_hybrid_calibrates_suffix_trees_it_did_not_propose():
+    # switch huge: the model drafts every step; the suffix trees built meanwhile are still checked against the
+    # committed tokens, so their calibration keeps learning (the repetitive prompt's trees are followed)
+    pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=4)
+    hybrid = pipe.graph["draft"]
+    hybrid.switch = 1e9
+    out = _check_greedy(pipe, [REPETITIVE * 3], n=24)[0]
+    m = hybrid.measured
+    assert pipe.run(REPETITIVE, max_new_tokens=2).stats.steps >= 1
+    assert m["model_steps"] > 0 and out.draft_forwards > 0
+    assert m["suffix_score"] > 0 and m["suffix_accepted"] > 0
+
+
+def test_followed_walks_a_tree_from_its_root():
+    from graphspec.suffix import _followed
+
+    toks, parents = [5, 6, 7, 8], [-1, 0, 0, 2]  # 5 -> {6, 7 -> 8}
+    assert _followed(toks, parents, [5, 7, 8, 9]) == 3
+    assert _followed(toks, parents, [5, 6, 8]) == 2
+    assert _followed(toks, parents, [6]) == 0 and _followed(toks, parents, []) == 0
+
+
 def test_the_hybrid_model_draft_is_a_tree_by_default():
     from graphspec.defaults import AUTO_DRAFT_SIBLINGS
 
