@@ -4,6 +4,7 @@
     .venv/bin/python perf/workloads.py --threads 1 --workloads code_edit --max-new-tokens 64
     .venv/bin/python perf/workloads.py --replay perf/results/workloads-outputs.json   # suffix settings, no model
     .venv/bin/python perf/workloads.py --store-cost                      # store memory and update cost
+    .venv/bin/python perf/workloads.py --replay-hybrid perf/results/workloads-outputs.json --threads 1
 
 Workloads (perf/workloads.json): code_edit, agentic, doc_qa, and code_chat_prose (perf/prompts.json).
 Each workload's requests run in order through one pipeline per method (so the suffix store learns
@@ -20,6 +21,12 @@ no model at all (greedy acceptance is known from the target's own output: a prop
 how far it agrees with it), which is how the suffix settings were chosen. ``--store-cost`` builds a store
 over this repository's own source and docs in the target's tokens: bytes per stored token and
 microseconds per appended token.
+
+``--replay-hybrid`` is how the hybrid's rule was studied: on the saved greedy outputs, at every output
+position, the suffix tree (its score, the tokens the target would take) and the model draft's tree (the
+tokens taken, its draft forwards; the 0.5B int8 draft, no target); then it replays whole requests under
+each rule offline and prints tokens per target forward and tokens per unit of time, the unit a verify
+and a draft forward ``--draft-cost`` of one.
 """
 
 from __future__ import annotations
@@ -172,6 +179,119 @@ def replay(path: Path, settings: list[dict], k: int) -> list[dict]:
     return results
 
 
+def _taken(ids: list[int], parents: list[int], out: list[int], root: int) -> int:
+    """How many of ``out`` a greedy target takes from a proposal tree (``parents``: ``root`` for the root)."""
+    cur, got = root, 0
+    for t in out:
+        nxt = [i for i, (a, p) in enumerate(zip(ids, parents)) if p == cur and a == t]
+        if not nxt:
+            break
+        cur, got = nxt[0] + (1 if root == 0 else 0), got + 1
+    return got
+
+
+def hybrid_positions(path: Path, draft, k: int) -> dict:
+    """Per workload, request and output position: (suffix score, suffix tree size, suffix tokens taken, model
+    tree tokens taken, model draft forwards, model chain tokens taken)."""
+    from graphspec.defaults import AUTO_DRAFT_SIBLINGS, SAME_VOCAB_CONFIDENCE
+    from graphspec.drafters import ModelDrafter
+    from graphspec.state import RunInfo, SamplingParams, State
+    from graphspec.suffix import SuffixDrafter
+
+    data = json.loads(path.read_text())
+    model = ModelDrafter(draft, draft_vocab="auto", siblings=AUTO_DRAFT_SIBLINGS,
+                          confidence_threshold=SAME_VOCAB_CONFIDENCE)
+    out_all = {}
+    for wl, reqs in data["workloads"].items():
+        suffix = SuffixDrafter()
+        rows = []
+        for req in reqs:
+            prompt, out = req["prompt"], req["output"]
+            run = RunInfo(target=None, vocab_size=draft.config.vocab_size, device=torch.device("cpu"),
+                          capacity=len(prompt) + len(out) + k + 2, prompt_len=len(prompt), num_speculative_tokens=k)
+            state = State(run)
+            state.params = SamplingParams()
+            state.generator = torch.Generator()
+            state.token_buffer = torch.tensor(prompt + out + [0] * (k + 2), dtype=torch.int64)
+            state.tokens = list(prompt) + out[:1]
+            suffix.begin(state)
+            model.begin(state)
+            steps = {}
+            for p in range(1, len(out)):  # the first output token comes from the prefill
+                state.tokens = list(prompt) + out[:p]
+                rest = out[p:]
+                state.num_draft = n = min(k, len(rest))
+                toks, parents, scores, _, _ = suffix.propose(state, n)
+                f0 = run.draft_forwards
+                model.run(state)
+                ids, tree = state.draft_ids[0].tolist(), list(state.draft_parents)
+                chain = sum(1 for i, q in enumerate(tree) if q == i)  # the chain's rows come first
+                steps[p] = (sum(scores), len(toks), _taken(toks, parents, rest, -1), _taken(ids, tree, rest, 0),
+                            run.draft_forwards - f0, _taken(ids[:chain], tree[:chain], rest, 0))
+            state.tokens = list(prompt) + out
+            suffix.end(state)
+            rows.append({"n": len(out), "steps": steps})
+        out_all[wl] = rows
+    return out_all
+
+
+def _previous_hybrid_rule(score, request) -> bool:
+    """The hybrid's rule before 2026-12-03: suffix when c * s >= 0.7 * m, per request (m: 1 before any), with a
+    chain for the model draft."""
+    c = request["suffix_accepted"] / request["suffix_score"] if request["suffix_score"] > 0 else 1.0
+    m = request["model_tokens"] / request["model_steps"] if request["model_steps"] else 1.0
+    return c * score >= 0.7 * m
+
+
+def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int) -> dict:
+    """Whole requests replayed under a rule: per workload (tokens per target forward, tokens per unit of time,
+    suffix steps, model steps); the unit is a verify, a draft forward costs ``draft_cost`` of one."""
+    from graphspec.suffix import HybridDrafter
+
+    res = {}
+    for wl, reqs in positions.items():
+        hybrid = HybridDrafter.__new__(HybridDrafter)  # only its rule and measurements: no model needed
+        hybrid.switch, hybrid.draft_cost, hybrid.prior_model = 1.0, draft_cost, 3.0
+        hybrid.measured = {"suffix_score": 0.0, "suffix_accepted": 0, "model_steps": 0, "model_tokens": 0,
+                           "model_forwards": 0}
+        tokens = steps = forwards = n_suffix = n_model = 0
+        for req in reqs:
+            request = dict.fromkeys(hybrid.measured, 0)
+            pos, n = 1, req["n"]
+            while pos < n:
+                score, ntoks, s_got, m_got, fw, chain_got = req["steps"][pos]
+                if rule == "previous":  # its model draft was a chain
+                    m_got = chain_got
+                if rule == "suffix":
+                    kind = "suffix" if ntoks else "plain"
+                elif rule == "model":
+                    kind = "model"
+                elif rule == "previous":
+                    kind = "suffix" if ntoks and _previous_hybrid_rule(score, request) else "model"
+                else:
+                    kind = "suffix" if ntoks and hybrid.prefers_suffix(score, k) else "model"
+                got = {"suffix": s_got, "model": m_got, "plain": 0}[kind]
+                for m in (hybrid.measured, request):
+                    if kind == "suffix" or ntoks and m is hybrid.measured and rule == "hybrid":
+                        # the hybrid checks every step's tree against the committed tokens (after a model step,
+                        # got + 1 of them); the previous rule counted proposed trees only
+                        m["suffix_score"] += score
+                        m["suffix_accepted"] += s_got if kind == "suffix" else min(s_got, got + 1)
+                    if kind == "model":
+                        m["model_steps"] += 1
+                        m["model_tokens"] += got + 1
+                        m["model_forwards"] += fw
+                n_suffix += kind == "suffix"
+                n_model += kind == "model"
+                forwards += fw if kind == "model" else 0
+                pos += got + 1
+                steps += 1
+            tokens += n - 1
+        res[wl] = (tokens / steps if steps else 0.0, tokens / (steps + draft_cost * forwards) if steps else 0.0,
+                   n_suffix, n_model)
+    return res
+
+
 def store_cost(tokenizer, limit: int) -> dict:
     """Bytes per stored token and microseconds per appended token of a SuffixStore over this repository's text."""
     from graphspec.suffix import SuffixStore
@@ -209,6 +329,10 @@ def main(argv=None) -> int:
     ap.add_argument("--save-outputs", type=Path, default=None, help="write the autoregressive outputs here (JSON)")
     ap.add_argument("--replay", type=Path, default=None, help="replay saved outputs through SuffixDrafter settings")
     ap.add_argument("--store-cost", action="store_true", help="memory and update cost of the suffix store")
+    ap.add_argument("--replay-hybrid", type=Path, default=None,
+                    help="replay saved outputs through the hybrid's rules (the model draft runs, the target does not)")
+    ap.add_argument("--draft-cost", type=float, nargs="*", default=[0.1, 0.2, 0.3],
+                    help="--replay-hybrid: a draft forward's cost in verifies (the time unit)")
     ap.add_argument("--no-results", action="store_true", help="do not append to perf/workloads.jsonl")
     args = ap.parse_args(argv)
     if args.threads:
@@ -229,6 +353,19 @@ def main(argv=None) -> int:
         return 0
 
     from graphspec.models import load_model
+
+    if args.replay_hybrid is not None:
+        draft = load_model(DRAFT, dtype=DTYPES[args.dtype], quantize="int8")
+        t0 = time.perf_counter()
+        positions = hybrid_positions(args.replay_hybrid, draft, K["hybrid"])
+        log(f"# positions drafted in {time.perf_counter() - t0:.0f} s; per workload: tokens per target forward / "
+            "tokens per unit of time (suffix steps, model steps)")
+        for cost in args.draft_cost:
+            for rule in ("suffix", "model", "previous", "hybrid"):
+                res = replay_hybrid(positions, rule, cost, K["hybrid"])
+                log(f"draft_cost {cost} {rule:8s} " + "  ".join(
+                    f"{wl} {a:.2f} / {b:.2f} ({ns}, {nm})" for wl, (a, b, ns, nm) in res.items()))
+        return 0
 
     if args.store_cost:
         from graphspec.models.tokenizer import Tokenizer
