@@ -329,48 +329,53 @@ class CostTable:
         return self._at(self.draft_prefill, tokens) if tokens > 0 else 0.0
 
     @classmethod
-    def measure(cls, target, draft=None, rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 2,
+    def measure(cls, target, draft=None, rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3,
                 draft_batched: bool = True, prefill_tokens: Sequence[int] = (16, 64, 256)) -> "CostTable":
         """Time forwards on this machine: the target with R rows after a short context, the draft with one
         token for n sequences (one forward of n rows where it batches, else n one-token forwards), and the
         draft's batched prefill of T tokens."""
         from graphspec.drafters import prefill
 
-        def timed(model, n_rows: int) -> float:
+        def step_once(model, n_rows: int):
             cache = model.new_cache(min(model.config.max_position_embeddings, 16 + n_rows))
-            ids = torch.zeros(1, 16, dtype=torch.int64, device=model.device)
-            model.step(ids, cache, logits_for="last")
-            best = float("inf")
-            for _ in range(repeats):
+            model.step(torch.zeros(1, 16, dtype=torch.int64, device=model.device), cache, logits_for="last")
+            new = torch.zeros(1, n_rows, dtype=torch.int64, device=model.device)
+
+            def once() -> float:
                 cache.truncate(16)
-                new = torch.zeros(1, n_rows, dtype=torch.int64, device=model.device)
                 t0 = time.perf_counter()
                 model.step(new, cache, logits_for="all")
-                best = min(best, time.perf_counter() - t0)
-            return best
+                return time.perf_counter() - t0
+            return once
 
-        limit = target.config.max_position_embeddings - 16
-        target_t = {r: timed(target, r) for r in rows if r <= limit}
-        def timed_prefill(model, n_tokens: int) -> float:
+        def prefill_once(model, n_tokens: int):
             cache = model.new_cache(n_tokens)
             ids = [0] * n_tokens
-            best = float("inf")
-            for _ in range(repeats):
+
+            def once() -> float:
                 cache.truncate(0)
                 t0 = time.perf_counter()
                 prefill(model, cache, ids, model.device)
-                best = min(best, time.perf_counter() - t0)
-            return best
+                return time.perf_counter() - t0
+            return once
 
-        draft_t: dict[int, float] = {}
-        prefill_t: dict[int, float] = {}
+        # Every entry timed once per round, round after round, keeping each one's best: a busy moment on a shared
+        # host then inflates one sample of each entry, not every sample of a few (which would bend the curve).
+        limit = target.config.max_position_embeddings - 16
+        timers = {("target", r): step_once(target, r) for r in rows if r <= limit}
         if draft is not None:
-            one = timed(draft, 1)
-            for r in rows:
-                draft_t[r] = timed(draft, r) if draft_batched and r > 1 else one * r
-            for t in prefill_tokens:
-                if t <= draft.config.max_position_embeddings:
-                    prefill_t[t] = timed_prefill(draft, t)
+            timers.update({("draft", r): step_once(draft, r) for r in rows if r == 1 or draft_batched})
+            timers.update({("prefill", t): prefill_once(draft, t) for t in prefill_tokens
+                           if t <= draft.config.max_position_embeddings})
+        best = {key: float("inf") for key in timers}
+        for _ in range(max(repeats, 1)):
+            for key, once in timers.items():
+                best[key] = min(best[key], once())
+        target_t = {r: v for (kind, r), v in best.items() if kind == "target"}
+        prefill_t = {t: v for (kind, t), v in best.items() if kind == "prefill"}
+        draft_t: dict[int, float] = {}
+        if draft is not None:
+            draft_t = {r: best[("draft", r)] if ("draft", r) in best else best[("draft", 1)] * r for r in rows}
         return cls(target_t, draft_t, prefill_t)
 
 

@@ -214,6 +214,7 @@ def test_cost_table_is_measured(tiny_dirs):
     costs = CostTable.measure(model, model, rows=(1, 4), repeats=1)
     assert set(costs.target) == {1, 4} and all(v > 0 for v in costs.target.values())
     assert costs.target_cost(2) > 0 and costs.draft_cost(100) > 0
+    assert set(costs.draft_prefill) == {16, 64, 256} and costs.draft_prefill_cost(20) > 0
 
 
 def test_cancelled_sequences_free_their_slots_and_caches(tiny_dirs):
