@@ -429,16 +429,21 @@ class SpeculationPolicy:
         """The k for one sequence, as if each of the ``running`` sequences drafted like it."""
         return self.choose_batch(max_k, [self.acceptance(accepted, proposed)] * max(running, 1))
 
-    def position_rates(self, accepted_per_position: Sequence[int], proposed_per_position: Sequence[int]
-                       ) -> list[float]:
+    def position_rates(self, accepted_per_position: Sequence[int], proposed_per_position: Sequence[int],
+                       rested: int = 0) -> list[float]:
         """A sequence's acceptance at each draft position (that a proposal there is kept, given it was made):
         drafts grow less sure with depth, and a draft tree keeps more than a chain. The first position starts
         from ``prior``, each later one from the position before it, so that positions a short draft never
         reached are expected to do as the deepest one measured (else they would stay at the prior and never
-        be tried)."""
+        be tried). ``rested``: plain steps the sequence has taken since it last drafted; each moves its rates a
+        tenth of the way back to the prior, so that a sequence switched off by a few early misses is tried again
+        (else its rates, no longer measured, would keep it off for good)."""
         rates: list[float] = []
         for a, n in zip(accepted_per_position, proposed_per_position):
             rates.append(self.acceptance(a, n, rates[-1] if rates else None))
+        if rested:
+            keep = 0.9 ** rested
+            rates = [self.prior + (r - self.prior) * keep for r in rates]
         return rates
 
     @staticmethod
@@ -535,6 +540,7 @@ class _Running:
     context: int = 0              # committed tokens at its latest step
     synced: int | None = None     # context when its draft was last in step (None: never prefilled)
     drafted: bool = False         # whether its latest step drafted
+    rested: int = 0               # plain steps since it last drafted (once it has drafted)
 
 
 FINISHED = object()
@@ -725,12 +731,13 @@ class Engine:
             return k
         with self._lock:  # those still in their prefill too: they join the next steps
             running = list(self._seqs.values())
-        views = [SequenceView(policy.position_rates(r.stats.accepted_per_position, r.stats.proposed_per_position)
-                              if r.stats is not None else policy.prior, greedy=r.greedy, catch_up=self._catch_up(r),
+        views = [SequenceView(policy.position_rates(r.stats.accepted_per_position, r.stats.proposed_per_position,
+                                                    r.rested) if r.stats is not None else policy.prior, greedy=r.greedy, catch_up=self._catch_up(r),
                               remaining=r.max_new - (r.stats.generated_tokens if r.stats is not None else 0))
                  for r in running]
         mine_k = policy.plan(k, views)[running.index(mine)]
         mine.drafted = mine_k > 0
+        mine.rested = 0 if mine.drafted or not mine.stats.proposed else mine.rested + 1
         return mine_k
 
     def _catch_up(self, r: "_Running") -> int:

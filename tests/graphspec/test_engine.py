@@ -464,3 +464,16 @@ def test_policy_counts_sequences_still_in_their_prefill(tiny_dirs):
     for s in seqs:
         s.result(timeout=60)
     assert policy.seen[0] == 4, policy.seen
+
+
+def test_a_sequence_switched_off_is_tried_again_after_plain_steps():
+    """Early misses switch a sequence's drafting off; its rates drift back to the prior over the plain steps it
+    takes, so the plan tries it again, where drafting at the prior pays."""
+    costs = CostTable(target={1: 1.0, 8: 1.1, 64: 6.0}, draft={1: 0.2, 64: 0.4})
+    policy = SpeculationPolicy(costs)
+    missed = policy.position_rates([0, 0, 0, 0, 0], [8, 0, 0, 0, 0])
+    assert policy.plan(5, [SequenceView(missed)]) == [0]
+    rested = policy.position_rates([0, 0, 0, 0, 0], [8, 0, 0, 0, 0], rested=40)
+    assert rested[0] == pytest.approx(0.6, abs=0.02) and rested[0] > missed[0]
+    assert policy.plan(5, [SequenceView(rested)])[0] > 0
+    assert policy.position_rates([3], [4], rested=0) == [policy.acceptance(3, 4)]
