@@ -297,6 +297,16 @@ def _deferrable(stage) -> bool:
 
 # ------------------------------------------------------------------------------------------ policy
 
+def _rising(table: dict[int, float]) -> dict[int, float]:
+    """A measured cost table made non-decreasing in rows: more rows never cost less than fewer, so a dip is timing
+    noise, and it would make extra verify rows look free."""
+    out: dict[int, float] = {}
+    top = 0.0
+    for r in sorted(table):
+        top = out[r] = max(table[r], top)
+    return out
+
+
 @dataclass
 class CostTable:
     """Seconds of one forward by rows: the target's for R verify rows, the draft's for n sequences' tokens, and
@@ -371,11 +381,11 @@ class CostTable:
         for _ in range(max(repeats, 1)):
             for key, once in timers.items():
                 best[key] = min(best[key], once())
-        target_t = {r: v for (kind, r), v in best.items() if kind == "target"}
-        prefill_t = {t: v for (kind, t), v in best.items() if kind == "prefill"}
+        target_t = _rising({r: v for (kind, r), v in best.items() if kind == "target"})
+        prefill_t = _rising({t: v for (kind, t), v in best.items() if kind == "prefill"})
         draft_t: dict[int, float] = {}
         if draft is not None:
-            draft_t = {r: best[("draft", r)] if ("draft", r) in best else best[("draft", 1)] * r for r in rows}
+            draft_t = _rising({r: best[("draft", r)] if ("draft", r) in best else best[("draft", 1)] * r for r in rows})
         return cls(target_t, draft_t, prefill_t)
 
 

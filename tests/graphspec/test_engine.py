@@ -215,6 +215,12 @@ def test_cost_table_is_measured(tiny_dirs):
     assert set(costs.target) == {1, 4} and all(v > 0 for v in costs.target.values())
     assert costs.target_cost(2) > 0 and costs.draft_cost(100) > 0
     assert set(costs.draft_prefill) == {16, 64, 256} and costs.draft_prefill_cost(20) > 0
+    for table in (costs.target, costs.draft, costs.draft_prefill):  # never cheaper for more rows
+        values = [table[r] for r in sorted(table)]
+        assert values == sorted(values), table
+    from graphspec.engine import _rising
+
+    assert _rising({8: 0.32, 1: 0.27, 4: 0.37, 2: 0.30}) == {1: 0.27, 2: 0.30, 4: 0.37, 8: 0.37}
 
 
 def test_cancelled_sequences_free_their_slots_and_caches(tiny_dirs):
