@@ -66,18 +66,25 @@ inline float h2f(const uint8_t* p) {
 #endif
 }
 
-// Q4_K / Q5_K: the 8 sub-blocks' scales d * sc[j] and offsets dmin * m[j], fp32 (ggml's get_scale_min_k4).
+// Q4_K / Q5_K: the 12 bytes of 6-bit fields -> the 8 sub-blocks' scales sc[0..7] (bytes 0-7 of `out`) and mins
+// m[0..7] (bytes 8-15), as ggml's get_scale_min_k4; four fields at a time in 32-bit words.
+inline void k_fields(const uint8_t* __restrict s, uint8_t* __restrict out) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t words[4] = {a & 0x3F3F3F3Fu, (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u),   // sc 0-3, 4-7
+                             b & 0x3F3F3F3Fu, ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)};  // m 0-3, 4-7
+  std::memcpy(out, words, 16);
+}
+
+// Q4_K / Q5_K: the 8 sub-blocks' scales d * sc[j] and offsets dmin * m[j], fp32.
 inline void k_scales(const uint8_t* __restrict s, float d, float dmin, float* __restrict ds, float* __restrict dm) {
-  uint8_t sc[8], mn[8];
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+  uint8_t f[16];
+  k_fields(s, f);
   for (int j = 0; j < 8; ++j) {
-    ds[j] = d * static_cast<float>(sc[j]);
-    dm[j] = dmin * static_cast<float>(mn[j]);
+    ds[j] = d * static_cast<float>(f[j]);
+    dm[j] = dmin * static_cast<float>(f[8 + j]);
   }
 }
 
@@ -344,16 +351,10 @@ struct Dec {
       if constexpr (T == Q5_1) mn = h2f(q + 2);
 #endif
     } else if constexpr (T == Q4_K || T == Q5_K) {
-      // k_scales with the 6-bit fields unpacked four at a time in 32-bit words, then converted 8 at a time
-      uint32_t a, b, c;
-      std::memcpy(&a, q + 4, 4);
-      std::memcpy(&b, q + 8, 4);
-      std::memcpy(&c, q + 12, 4);
-      const uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = b & 0x3F3F3F3Fu;
-      const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
-      const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
-      const __m128i v = _mm_set_epi32(static_cast<int>(mn_hi), static_cast<int>(mn_lo), static_cast<int>(sc_hi),
-                                      static_cast<int>(sc_lo));
+      // k_scales with the 8 scales and the 8 mins each converted in one register
+      uint8_t f[16];
+      k_fields(q + 4, f);
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(f));
       _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(h2f(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
       _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_set1_ps(h2f(q + 2)),
                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
@@ -363,6 +364,12 @@ struct Dec {
       _mm256_storeu_ps(ds, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
       _mm256_storeu_ps(ds + 8, _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
     }
+  }
+
+  // Q4_0 / Q5_0: d * (q - 8 or 16); Q4_1 / Q5_1: d * q + m (dequant_row's operations).
+  GS_INLINE VF affine(VI q) const {
+    if constexpr (T == Q4_0 || T == Q5_0) return mul(cvt(sub(q, T == Q4_0 ? 8 : 16)), d);
+    else return add(mul(cvt(q), d), mn);
   }
 
   GS_INLINE void part(int s, VF* w) const {
@@ -375,14 +382,8 @@ struct Dec {
       w[0] = lookup(raw, t0);
       w[1] = lookup(srl(raw, 4), t0);
 #else
-      const VI lo = and_(raw, 0xF), hi = srl(raw, 4);
-      if constexpr (T == Q4_0) {
-        w[0] = mul(cvt(sub(lo, 8)), d);
-        w[1] = mul(cvt(sub(hi, 8)), d);
-      } else {
-        w[0] = add(mul(cvt(lo), d), mn);
-        w[1] = add(mul(cvt(hi), d), mn);
-      }
+      w[0] = affine(and_(raw, 0xF));
+      w[1] = affine(srl(raw, 4));
 #endif
     } else if constexpr (T == Q5_0 || T == Q5_1) {
       const int off = T == Q5_0 ? 2 : 4;
@@ -398,14 +399,8 @@ struct Dec {
       w[0] = VF{_mm512_permutex2var_ps(t0, i0, t1)};
       w[1] = VF{_mm512_permutex2var_ps(t0, i1, t1)};
 #else
-      const VI lo = or_(and_(raw, 0xF), sll(bits16(qh), 4)), hi = or_(srl(raw, 4), sll(bits16(qh >> 16), 4));
-      if constexpr (T == Q5_0) {
-        w[0] = mul(cvt(sub(lo, 16)), d);
-        w[1] = mul(cvt(sub(hi, 16)), d);
-      } else {
-        w[0] = add(mul(cvt(lo), d), mn);
-        w[1] = add(mul(cvt(hi), d), mn);
-      }
+      w[0] = affine(or_(and_(raw, 0xF), sll(bits16(qh), 4)));
+      w[1] = affine(or_(srl(raw, 4), sll(bits16(qh >> 16), 4)));
 #endif
     } else if constexpr (T == Q4_K || T == Q5_K) {
       // sub-block s: the low (even s) or high nibbles of qs bytes 32 (s / 2) .., and bit s of the qh bytes
