@@ -467,6 +467,25 @@ class ModelDrafter(Stage):
             # Everything past n - 1 is either the pending token or a rejected draft.
             cache.truncate(min(cache.length, n - 1))
 
+    def catch_up(self, state) -> None:
+        """Feed the committed tokens (all but the pending one) that this draft's cache lacks as one batched
+        prefill: after steps it did not draft, or at its first step when it began with ``fill=False``. A draft
+        step would feed them itself, but as the rows of one step, which the CPU's few-row kernels compute a row
+        at a time; one or two are left to it. A beam keeps the taken path's cached nodes itself: left alone."""
+        if self.beam:
+            return
+        sc = state.scratch(self)
+        cache = sc.get("cache")
+        n = len(state.tokens)
+        if cache is None or n - 1 - cache.length < 2:
+            return
+        self.drop_uncommitted(state, sc, cache)
+        missed = state.tokens[cache.length:n - 1]
+        if len(missed) >= 2:
+            prefill(self.model, cache, missed, state.run.device)
+            state.run.draft_forwards += 1
+        sc["fed"] = (cache.length, [])
+
     def draw(self, logits: torch.Tensor, params, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft token from ``logits [1, V]`` fp32: ``(token [1], q [1, V] fp32 or None)``.
 

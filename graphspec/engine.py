@@ -248,7 +248,7 @@ class _DeferredDraft(Stage):
             self.inner.begin(state)
             sc["begun"] = True
         elif state.num_draft > 0 and state.params.greedy and not self._cross:
-            self._catch_up(state)
+            self.inner.catch_up(state)
         self.inner.run(state)
 
     def _empty(self, state) -> None:
@@ -264,23 +264,6 @@ class _DeferredDraft(Stage):
         state.draft_probs = None
         if inner.tree:
             state.draft_parents = ()
-
-    def _catch_up(self, state) -> None:
-        """Feed a same-tokenizer draft the committed tokens it missed while not drafting, as one batched prefill."""
-        d = self.inner
-        if d.beam:  # a beam keeps the taken path's cached nodes itself, from its last tree
-            return
-        dsc = state.scratch(d)
-        cache = dsc["cache"]
-        n = len(state.tokens)
-        if n - 1 - cache.length < 2:  # one or two: what a draft step feeds anyway
-            return
-        d.drop_uncommitted(state, dsc, cache)
-        missed = state.tokens[cache.length:n - 1]
-        if len(missed) >= 2:
-            prefill(d.model, cache, missed, state.run.device)
-            state.run.draft_forwards += 1
-        dsc["fed"] = (cache.length, [])
 
     def __getattr__(self, name):  # end(), store, ... of the drafter it wraps
         if name == "inner":
@@ -344,7 +327,6 @@ class CostTable:
         """Time forwards on this machine: the target with R rows after a short context, the draft with one
         token for n sequences (one forward of n rows where it batches, else n one-token forwards), and the
         draft's batched prefill of T tokens."""
-        from graphspec.drafters import prefill
 
         def step_once(model, n_rows: int):
             cache = model.new_cache(min(model.config.max_position_embeddings, 16 + n_rows))

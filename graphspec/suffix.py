@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from graphspec.drafters import ModelDrafter, prefill
+from graphspec.drafters import ModelDrafter
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise
 
@@ -699,23 +699,11 @@ class HybridDrafter(Stage):
         dsc["fed"] = (cache.length, [])
 
     def _catch_up(self, state) -> None:
-        """Before a model step: feed the committed tokens a same-tokenizer draft missed as one batched prefill.
-
-        The drafter would feed them itself, but as the rows of one draft step, which the CPU's few-row
-        kernels compute a row at a time.
-        """
+        """Before a model step: a same-tokenizer draft fed the committed tokens it missed, as one batched prefill
+        (the whole prompt at a request's first model step)."""
         d = self.model_drafter
-        if not isinstance(d, ModelDrafter) or d.beam:
-            return
-        dsc = state.scratch(d)
-        cache = dsc.get("cache")
-        n = len(state.tokens)
-        if cache is None or n - 1 - cache.length < 2:
-            return
-        missed = state.tokens[cache.length:n - 1]  # the whole prompt, at a request's first model step
-        prefill(d.model, cache, missed, state.run.device)
-        state.run.draft_forwards += 1
-        dsc["fed"] = (cache.length, [])
+        if isinstance(d, ModelDrafter):
+            d.catch_up(state)
 
     def run(self, state) -> None:
         sc = state.scratch(self)
