@@ -412,6 +412,7 @@ class SpeculationPolicy:
         self.prior = prior
         self.prior_weight = prior_weight
         self.margin = margin
+        self._may_draft_cache: dict[tuple, bool] = {}
 
     def acceptance(self, accepted: int, proposed: int, prior: float | None = None) -> float:
         prior = self.prior if prior is None else prior
@@ -484,20 +485,21 @@ class SpeculationPolicy:
         sampled = [i for i, q in enumerate(sequences) if not q.greedy]
         for i in sampled:
             ks[i] = max_k
-        n, s = len(sequences), len(sampled)
+        s = len(sampled)
+        if not greedy or not self.may_draft(max_k, len(greedy), s):
+            return ks
         s_tokens = sum(self.expected_tokens(sequences[i].rates, max_k) for i in sampled)
         s_rows = s * (max_k + 1)
         costs = self.costs
 
         def seconds(k: int, m: int, catch_up: float) -> float:
-            drafts = k * costs.draft_cost(m + s) + (max_k - k) * costs.draft_cost(s)
-            return drafts + costs.target_cost(len(greedy) - m + m * (k + 1) + s_rows) + catch_up
+            return self._step_seconds(max_k, len(greedy), s, k, m) + catch_up
 
         base = float(len(greedy)) + s_tokens
         # Drafting must beat plain steps by ``margin``: what the table does not see (the threads' Python work
         # between forwards, timing noise) falls on the drafting side.
         best, chosen = (1 + self.margin) * base / max(seconds(0, 0, 0.0), 1e-12), (0, [])
-        for k in range(1, max_k + 1) if greedy else ():
+        for k in range(1, max_k + 1):
             rows_all = len(greedy) * (k + 1) + s_rows
             row = (costs.target_cost(rows_all) - costs.target_cost(len(greedy) + s_rows)) / max(len(greedy) * k, 1)
             items = []
@@ -519,10 +521,39 @@ class SpeculationPolicy:
             ks[i] = k
         return ks
 
+    def _step_seconds(self, max_k: int, g: int, s: int, k: int, m: int) -> float:
+        """A step's forwards (no catch-up) when m of g greedy sequences draft k and s sampled ones draft max_k."""
+        costs = self.costs
+        drafts = k * costs.draft_cost(m + s) + (max_k - k) * costs.draft_cost(s)
+        return drafts + costs.target_cost(g - m + m * (k + 1) + s * (max_k + 1))
+
+    def may_draft(self, max_k: int, greedy: int, sampled: int = 0) -> bool:
+        """Whether ``plan`` could have any of ``greedy`` greedy sequences draft, beside ``sampled`` sampled ones,
+        from the costs alone: False when not even drafts that are always accepted and need no catch-up would beat
+        plain steps by ``margin`` (then ``plan`` gives them all 0 without looking at their acceptance).
+
+        A bound on ``plan``'s own test: m drafting sequences add fewer than m k tokens (each position's acceptance
+        is capped below 1) for at least the step's forward seconds; and the sampled sequences' tokens, at least 1
+        each, are taken at that least, which favours drafting wherever drafting's rows cost anything. Cached per
+        (max_k, greedy, sampled): the costs are fixed, so at a batch size where verify rows cost what they return
+        each step's planning is a dict look-up.
+        """
+        key = (max_k, greedy, sampled, self.margin, id(self.costs))
+        cache = self._may_draft_cache
+        verdict = cache.get(key)
+        if verdict is None:
+            base = float(greedy + sampled)
+            plain = (1 + self.margin) * base / max(self._step_seconds(max_k, greedy, sampled, 0, 0), 1e-12)
+            verdict = any((base + m * k) / max(self._step_seconds(max_k, greedy, sampled, k, m), 1e-12)
+                          * (1 + 1e-6) > plain
+                          for k in range(1, max_k + 1) for m in range(1, greedy + 1))
+            cache[key] = verdict
+        return verdict
+
 
 # ------------------------------------------------------------------------------------------ engine
 
-@dataclass
+@dataclass(eq=False)  # one per sequence, told apart by identity (two may hold equal fields)
 class _Running:
     """A running sequence as the policy sees it (updated by its own worker thread at each step)."""
 
@@ -662,6 +693,10 @@ class Engine:
         self._closed = False
         self._local = threading.local()
         self._seqs: dict[EngineSequence, _Running] = {}  # running sequence -> what the policy reads of it
+        self._plan_lock = threading.Lock()
+        self._plan: dict[_Running, int] = {}   # each sequence's draft length in the step being planned
+        self._plan_taken: set[_Running] = set()  # those that have taken theirs
+        self.plans_made = 0  # policy plans made (one a step while the sequences keep in step)
 
     # ------------------------------------------------------------------------- state
 
@@ -721,13 +756,25 @@ class Engine:
         policy = self.policy()
         if policy is None:
             return k
-        with self._lock:  # those still in their prefill too: they join the next steps
-            running = list(self._seqs.values())
-        views = [SequenceView(policy.position_rates(r.stats.accepted_per_position, r.stats.proposed_per_position,
-                                                    r.rested) if r.stats is not None else policy.prior, greedy=r.greedy, catch_up=self._catch_up(r),
-                              remaining=r.max_new - (r.stats.generated_tokens if r.stats is not None else 0))
-                 for r in running]
-        mine_k = policy.plan(k, views)[running.index(mine)]
+        with self._plan_lock:
+            # One plan a step for all the running sequences: the first of them to ask makes it, the others take
+            # their share of it. A sequence asking again (its next step), or not in the plan (it joined since),
+            # starts the next plan. Plans are made from what the sequences have recorded so far (some may not have
+            # recorded the latest step yet), which is all a plan is: greedy output does not depend on it.
+            if mine not in self._plan or mine in self._plan_taken:
+                with self._lock:  # those still in their prefill too: they join the next steps
+                    running = list(self._seqs.values())
+                views = [SequenceView(policy.position_rates(r.stats.accepted_per_position,
+                                                            r.stats.proposed_per_position, r.rested)
+                                      if r.stats is not None else policy.prior, greedy=r.greedy,
+                                      catch_up=self._catch_up(r),
+                                      remaining=r.max_new - (r.stats.generated_tokens if r.stats is not None else 0))
+                         for r in running]
+                self._plan = dict(zip(running, policy.plan(k, views)))
+                self._plan_taken = set()
+                self.plans_made += 1
+            mine_k = self._plan[mine]
+            self._plan_taken.add(mine)
         mine.drafted = mine_k > 0
         mine.rested = 0 if mine.drafted or not mine.stats.proposed else mine.rested + 1
         return mine_k

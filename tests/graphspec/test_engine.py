@@ -401,6 +401,11 @@ def test_policy_that_never_drafts_never_prefills_the_draft(tiny_dirs):
         assert [r.token_ids for r in got] == [r.token_ids for r in alone], name
         assert engine.forwards.get("draft", 0) == 0, name
         assert sum(r.stats.draft_forwards for r in got) == 0 and len(engine._draft.caches) == 0, name
+    # and the target runs plain serving's rows: one per step per sequence, no verify row of an empty draft
+    plain = Engine(pipes["plain"], max_batch=4, policy="off")
+    assert [r.token_ids for r in plain.run_batch(prompts, max_new_tokens=12, ignore_eos=True)] == [
+        r.token_ids for r in got]
+    assert engine._batcher.rows == plain._batcher.rows, (engine._batcher.rows, plain._batcher.rows)
 
 
 class _Alternating(SpeculationPolicy):
@@ -483,3 +488,59 @@ def test_a_sequence_switched_off_is_tried_again_after_plain_steps():
     assert rested[0] == pytest.approx(0.6, abs=0.02) and rested[0] > missed[0]
     assert policy.plan(5, [SequenceView(rested)])[0] > 0
     assert policy.position_rates([3], [4], rested=0) == [policy.acceptance(3, 4)]
+
+
+class _Unbounded(SpeculationPolicy):
+    """The policy without its cost-only shortcut: every plan weighs every k and every set of drafting sequences."""
+
+    def may_draft(self, max_k, greedy, sampled=0):
+        return True
+
+
+def test_may_draft_bounds_the_plan():
+    """``may_draft`` is False only where the full plan drafts nothing, across cost tables and batches (random,
+    seeded), and it is False somewhere (else the shortcut would never be taken and this test would prove
+    nothing)."""
+    rng = np.random.default_rng(7)
+    seen_false = seen_true_drafting = 0
+    for trial in range(300):
+        rows = [1, 2, 4, 8, 16, 32, 64]
+        growth = rng.uniform(0.0, 1.2)  # from verify rows nearly free to rows that cost what they return, or more
+        target = {r: 0.2 * (1 + growth * (r - 1) ** rng.uniform(0.7, 1.1)) for r in rows}
+        draft = {r: rng.uniform(0.005, 0.1) * (1 + rng.uniform(0, 1) * (r - 1)) for r in rows}
+        costs = CostTable(target=target, draft=draft, draft_prefill={16: 0.05, 256: 0.8})
+        fast, full = SpeculationPolicy(costs, margin=rng.choice([0.0, 0.1, 0.3])), None
+        full = _Unbounded(costs, margin=fast.margin)
+        n = int(rng.integers(1, 17))
+        views = [SequenceView(list(rng.uniform(0.3, 0.999, 5)), greedy=bool(rng.random() < 0.85),
+                              catch_up=int(rng.choice([0, 0, 40])), remaining=int(rng.integers(1, 128)))
+                 for _ in range(n)]
+        g = sum(v.greedy for v in views)
+        want = full.plan(5, views)
+        assert fast.plan(5, views) == want, trial
+        if not fast.may_draft(5, g, n - g):
+            seen_false += 1
+            assert all(k == 0 for k, v in zip(want, views) if v.greedy), trial
+        elif any(k > 0 for k, v in zip(want, views) if v.greedy):
+            seen_true_drafting += 1
+    assert seen_false > 20 and seen_true_drafting > 20, (seen_false, seen_true_drafting)
+
+
+def test_engine_plans_once_a_step_for_all_sequences(tiny_dirs):
+    """The sequences of a batch share one plan a step (the first to ask makes it), not one plan each: at 16
+    streams each of 16 plans would weigh all 16 sequences, every step."""
+    pipe = _pipes(tiny_dirs, torch.float32)["model"]
+    prompts = [p for p in PROMPTS if isinstance(p, str)][:4]
+    for costs in (CostTable(target={1: 1.0, 64: 1.0}, draft={1: 0.0}),                 # always drafts
+                  CostTable(target={1: 1.0, 64: 64.0}, draft={1: 0.5, 64: 0.5})):    # never drafts
+        policy = _Recording(costs)
+        engine = Engine(pipe, max_batch=4, policy=policy)
+        with engine._batcher._cv:  # all four start together, so they keep in step
+            seqs = [engine.submit(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+        got = [s.result(timeout=60) for s in seqs]
+        assert [r.token_ids for r in got] == [pipe.run(p, max_new_tokens=12, ignore_eos=True).token_ids
+                                              for p in prompts]
+        steps = [r.stats.steps for r in got]
+        # one plan per step of the longest (each sequence asking for its own: the sum of their steps)
+        assert engine.plans_made == len(policy.seen) <= max(steps) + 1 < sum(steps), (engine.plans_made, steps)
+        assert policy.seen[0] == 4, policy.seen
