@@ -141,10 +141,12 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                    help="draft model weights: int8 (CPU only; a cheaper draft, output unchanged), int4 (int8 with the "
                         "draft's few-token steps in 4 bits: cheaper still, lower acceptance; AVX-512 VNNI) or as --dtype; "
                         "auto = int8 on a CPU")
-    p.add_argument("--weights", default="checkpoint", choices=["checkpoint", "gguf"],
+    p.add_argument("--weights", default="checkpoint", choices=["checkpoint", "gguf", "gguf-a8"],
                    help="target weights: checkpoint (safetensors, in --dtype) or gguf (its GGUF file's blocks as stored: "
-                        "a zoo name's cached GGUF or a .gguf --target, which implies it; fp32 activations)")
-    p.add_argument("--draft-weights", default="checkpoint", choices=["checkpoint", "gguf"],
+                        "a zoo name's cached GGUF or a .gguf --target, which implies it; fp32 activations); gguf-a8: "
+                        "the same blocks, the k-quants' products on activations rounded to int8 as llama.cpp does "
+                        "(faster on a CPU; CPU only)")
+    p.add_argument("--draft-weights", default="checkpoint", choices=["checkpoint", "gguf", "gguf-a8"],
                    help="draft weights, as --weights (a gguf draft is not quantized again by --draft-quantize auto)")
     p.add_argument("--draft-vocab", type=_draft_vocab, default="auto", metavar="N",
                    help="prune the draft's vocabulary to its N lowest ids plus special tokens (a cheaper draft "
@@ -255,7 +257,7 @@ def auto_dtype(device):
 
 
 def _gguf(path_or_name: str, weights: str) -> bool:
-    return weights == "gguf" or str(path_or_name).endswith(".gguf")
+    return weights in ("gguf", "gguf-a8") or str(path_or_name).endswith(".gguf")
 
 
 def _load(path_or_name: str, what: str, dtype, device, quantize=None, weights: str = "checkpoint"):
@@ -264,7 +266,7 @@ def _load(path_or_name: str, what: str, dtype, device, quantize=None, weights: s
     gguf = _gguf(path_or_name, weights)
     try:  # GGUF blocks compute in fp32 whatever --dtype says
         return load_model(path_or_name, dtype=None if gguf else dtype, device=device, quantize=quantize,
-                          weights="gguf" if gguf else None)
+                          weights=(weights if weights != "checkpoint" else "gguf") if gguf else None)
     except (OSError, ValueError, KeyError) as e:
         raise CLIError(f"--{what} {path_or_name!r}: {_message(e)}") from None
 
@@ -357,7 +359,8 @@ def _pipelines(args):
     threads = cpu_threads(args.threads)
     torch.set_num_threads(threads)
     where = f"{device}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else str(device)
-    what = "GGUF blocks, fp32" if _gguf(args.target, args.weights) else str(dtype).replace("torch.", "")
+    what = (("GGUF blocks, int8 activations" if args.weights == "gguf-a8" else "GGUF blocks, fp32")
+            if _gguf(args.target, args.weights) else str(dtype).replace("torch.", ""))
     print(f"loading {args.target} ({what} on {where}) ...", file=sys.stderr, flush=True)
     target = _load(args.target, "target", dtype, device, weights=args.weights)
     draft = None

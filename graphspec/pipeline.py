@@ -83,7 +83,8 @@ def build_graph(verify: Stage, drafter: Stage | None = None, acceptance: Stage |
 
 def _gguf_weights(model_or_path, weights) -> bool:
     """Whether a model the pipeline loads keeps GGUF block weights (asked for, or a .gguf file)."""
-    return weights == "gguf" or (isinstance(model_or_path, (str, Path)) and str(model_or_path).endswith(".gguf"))
+    return weights in ("gguf", "gguf-a8") or (isinstance(model_or_path, (str, Path))
+                                              and str(model_or_path).endswith(".gguf"))
 
 
 def _load(model_or_path, what: str, dtype, device, backend, quantize=None, weights=None):
@@ -231,7 +232,8 @@ class Pipeline:
     draft_confidence_threshold=None``). ``describe()`` (and ``print(pipe)``) says what was chosen and why.
     ``target_weights="gguf"`` / ``draft_weights="gguf"``: load that model (a .gguf file or a zoo name) in its
     GGUF block formats as the file stores them, fp32 activations (``load_model(..., weights="gguf")``; a .gguf
-    path implies it); a GGUF draft is not quantized again.
+    path implies it); a GGUF draft is not quantized again. ``"gguf-a8"``: the same blocks, the k-quants'
+    products on activations rounded to int8 (llama.cpp's arithmetic; faster on a CPU; CPU only).
     ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
     a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
     ``"int4"``: the same, with the draft's one- to three-token steps in 4 bits (``load_model``'s

@@ -19,6 +19,15 @@
   from the blocks' bytes (the same fp32 operations, fp fusion off) and multiplies it with fp32 ``tl.dot``
   (ieee precision), fp32 accumulation; a skinny launch (one 16-row tile over M, decode and verify) and a
   tiled one (prefill).
+- Activations rounded to int8 (``BlockWeight(..., activations="int8")``, ``weights="gguf-a8"``): the
+  k-quants (:data:`A8_TYPES`) then compute as llama.cpp does, each row of x rounded to int8 per super-block
+  of 256 (``dx = max|x| / 127``, ``q = round-half-even(x * 127 / max|x|)``: :func:`quantize_activations_ref`)
+  and multiplied with the blocks' integer quants in integer arithmetic, then scaled in fp32
+  (``kernels/cpu/qgemm.cpp``, "a8"; the oracle is :func:`qlinear_a8_ref`). The weights are still the GGUF's
+  values; the activations are not x, so this is a different model from the exact one, by the rounding of x
+  (about 0.4% of each super-block's largest value). Rows stay exact (a row's bits do not depend on the row
+  count, the threads or the level), so speculation on it stays lossless. Other formats ignore the setting
+  and compute with fp32 activations. CPU only.
 - :class:`StackedWeight` is several weights stacked along N (a fused q/k/v or gate/up whose
   parts a file stores in different formats): each part runs on its own, outputs concatenated.
 """
@@ -32,7 +41,8 @@ import triton.language as tl
 from graphspec.kernels import cpu
 from graphspec.kernels._dispatch import interpreter_enabled, use_triton
 
-__all__ = ["FORMATS", "BlockWeight", "StackedWeight", "dequantize_ref", "qlinear", "qlinear_ref"]
+__all__ = ["A8_TYPES", "ACTIVATIONS", "FORMATS", "BlockWeight", "StackedWeight", "dequantize_ref", "qlinear",
+           "qlinear_a8_ref", "qlinear_ref", "quantize_activations_ref"]
 
 FORMATS: dict[str, tuple[int, int]] = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
@@ -40,6 +50,11 @@ FORMATS: dict[str, tuple[int, int]] = {
     "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
 }  # fmt: skip
 """ggml type name -> (weights per block, bytes per block), as ggml's GGML_QUANT_SIZES."""
+
+A8_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+"""The formats that take int8 activations where a weight asks for them (``activations="int8"``)."""
+
+ACTIVATIONS = ("fp32", "int8")
 
 TYPE_IDS = {name: i for i, name in enumerate(FORMATS)}
 """The type numbers the C++ GEMM takes (its own enum, in this order)."""
@@ -141,9 +156,11 @@ class BlockWeight:
     gives the fp32 values (the dequantized model), ``rows(ids)`` some of them (an embedding lookup).
     """
 
-    __slots__ = ("type", "blocks", "shape", "dtype", "device")
+    __slots__ = ("type", "blocks", "shape", "dtype", "device", "activations")
 
-    def __init__(self, type_name: str, blocks: torch.Tensor, shape):
+    def __init__(self, type_name: str, blocks: torch.Tensor, shape, activations: str = "fp32"):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations={activations!r} is not one of {ACTIVATIONS}")
         if type_name not in FORMATS:
             raise ValueError(f"type {type_name!r} is not a block format graphspec runs; supported: {list(FORMATS)}")
         shape = torch.Size(shape)
@@ -162,10 +179,16 @@ class BlockWeight:
         self.shape = shape
         self.dtype = torch.float32
         self.device = blocks.device
+        self.activations = activations
 
     @property
     def ndim(self) -> int:
         return 2
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether this weight's products round x to int8 (asked for, and a format that does)."""
+        return self.activations == "int8" and self.type in A8_TYPES
 
     @property
     def nbytes(self) -> int:
@@ -181,10 +204,11 @@ class BlockWeight:
 
     def select(self, ids: torch.Tensor) -> "BlockWeight":
         """The weight restricted to rows ``ids`` (1-d), still in blocks."""
-        return BlockWeight(self.type, self.blocks[ids], (ids.numel(), self.shape[1]))
+        return BlockWeight(self.type, self.blocks[ids], (ids.numel(), self.shape[1]), self.activations)
 
     def __repr__(self) -> str:
-        return f"BlockWeight({self.type}, shape={tuple(self.shape)})"
+        act = ", activations=int8" if self.int8_activations else ""
+        return f"BlockWeight({self.type}, shape={tuple(self.shape)}{act})"
 
 
 class StackedWeight:
@@ -224,18 +248,48 @@ def stack(parts) -> BlockWeight | StackedWeight:
     blocks concatenated); one BlockWeight where all share it, else a StackedWeight of the runs."""
     runs: list[list[BlockWeight]] = []
     for p in parts:
-        if runs and runs[-1][0].type == p.type:
+        if runs and (runs[-1][0].type, runs[-1][0].activations) == (p.type, p.activations):
             runs[-1].append(p)
         else:
             runs.append([p])
     merged = [r[0] if len(r) == 1 else BlockWeight(r[0].type, torch.cat([p.blocks for p in r]),
-                                                   (sum(p.shape[0] for p in r), r[0].shape[1])) for r in runs]
+                                                   (sum(p.shape[0] for p in r), r[0].shape[1]), r[0].activations)
+              for r in runs]
     return merged[0] if len(merged) == 1 else StackedWeight(merged)
 
 
 def qlinear_ref(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle: ``x`` (fp32) times the dequantized weight, an fp32 matmul, plus ``bias``."""
     return torch.nn.functional.linear(x.float(), weight.dense().to(x.device), None if bias is None else bias.float())
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] (K a multiple of 256) rounded to int8 per super-block of 256, as the C++ a8 GEMM does it:
+    ``q`` (int8 values as fp32, [M, K / 256, 256]) and ``dx`` ([M, K / 256]), x ~ q * dx.
+
+    ``dx = amax / 127`` and ``q = round-half-even(x * (127 / amax))`` in fp32 (all zeros where amax is 0); a NaN or
+    infinity in a super-block makes its dx NaN.
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 256, 256)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None])
+    dx = amax / 127.0
+    dx = torch.where(torch.isfinite(xb).all(-1), dx, torch.full_like(dx, float("nan")))
+    return torch.nan_to_num(q, nan=0.0, posinf=0.0, neginf=0.0), dx
+
+
+def qlinear_a8_ref(x: torch.Tensor, weight: "BlockWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle of int8 activations: ``x`` rounded by :func:`quantize_activations_ref` times the dequantized
+    weight, summed in float64, returned as fp32."""
+    x2 = x.reshape(-1, weight.shape[1])
+    q, dx = quantize_activations_ref(x2)
+    xr = (q.double() * dx.double()[..., None]).reshape(x2.shape)
+    y = xr @ weight.dense().to(x.device).double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.float().reshape(*x.shape[:-1], weight.shape[0])
 
 
 def qlinear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,6 +307,16 @@ def qlinear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
         return y.reshape(*x.shape[:-1], weight.shape[0])
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    if weight.int8_activations:
+        if x.device.type != "cpu":
+            raise ValueError(f"{weight!r}: int8 activations (weights='gguf-a8') run on the CPU only; on "
+                             f"{x.device.type} load the model with weights='gguf'")
+        if cpu.available():
+            y = cpu.qops().qlinear_a8(x2.float().contiguous(), weight.blocks, TYPE_IDS[weight.type],
+                                      weight.shape[0], k, None if bias is None else bias.float().contiguous())
+        else:
+            y = qlinear_a8_ref(x2, weight, bias)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     if use_triton(x):
         y = qlinear_triton(x2, weight, bias)
     elif x.device.type == "cpu" and cpu.available():

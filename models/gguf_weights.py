@@ -13,7 +13,8 @@
   blocks (a row of a weight is a run of whole blocks, so no value changes).
 - Norm weights and biases (1-d, F32 in every file seen) are dequantized to fp32 as their type says.
 - The model computed is the GGUF's: each weight the value ``gguf.quants.dequantize`` gives, fp32
-  activations, fp32 accumulation (``Transformer`` with ``weights="gguf"``).
+  activations, fp32 accumulation (``Transformer`` with ``weights="gguf"``). ``weights="gguf-a8"`` keeps the
+  same blocks and rounds the k-quants' activations to int8 (``activations="int8"``), as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _tokenizer(info):
                      source=str(info.path))
 
 
-def _block_weight(t, plan, device) -> BlockWeight:
+def _block_weight(t, plan, device, activations="fp32") -> BlockWeight:
     """One 2-d GGUF tensor as a BlockWeight, its q / k rows restored to HF order (whole rows moved)."""
     type_name = t.tensor_type.name
     rows, cols = plan.shape
@@ -62,7 +63,7 @@ def _block_weight(t, plan, device) -> BlockWeight:
     if plan.unpermute_heads:
         heads = plan.unpermute_heads
         raw = raw.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
-    return BlockWeight(type_name, torch.from_numpy(np.array(raw)).to(device), (rows, cols))
+    return BlockWeight(type_name, torch.from_numpy(np.array(raw)).to(device), (rows, cols), activations)
 
 
 def _dense(t, plan) -> torch.Tensor:
@@ -72,11 +73,19 @@ def _dense(t, plan) -> torch.Tensor:
     return torch.from_numpy(np.array(values))
 
 
-def load_gguf_model(path: str | os.PathLike, *, device="cpu", backend: str | None = None):
+def load_gguf_model(path: str | os.PathLike, *, device="cpu", backend: str | None = None,
+                    activations: str = "fp32"):
     """A ``Transformer`` whose weights are GGUF ``path``'s tensors in their own formats (see the module docstring).
 
     Only ``device="cpu"`` runs graphspec's C++ block GEMMs; on CUDA the Triton block GEMMs run where present.
+    ``activations="int8"`` (``weights="gguf-a8"``): the k-quant weights' products round their activations to
+    int8 per 256 values (``graphspec.kernels.qlinear``); CPU only, and not with the Triton backend.
     """
+    if activations not in ("fp32", "int8"):
+        raise ValueError(f"activations={activations!r} is not one of 'fp32', 'int8'")
+    if activations == "int8" and (torch.device(device).type != "cpu" or backend == "triton"):
+        raise ValueError(f"weights='gguf-a8' (int8 activations) runs on the CPU's C++ kernels only, not on "
+                         f"device={str(device)!r} with backend={backend!r}; use weights='gguf' there")
     from graphspec.models import gguf as gg
     from graphspec.models.config import ModelConfig
     from graphspec.models.transformer import Layer, Transformer
@@ -95,7 +104,7 @@ def load_gguf_model(path: str | os.PathLike, *, device="cpu", backend: str | Non
 
     def weight(name: str) -> BlockWeight:
         p = plans.pop(name)
-        return _block_weight(reader[p.gguf_name], p, device)
+        return _block_weight(reader[p.gguf_name], p, device, activations)
 
     def dense(name: str) -> torch.Tensor:
         p = plans.pop(name)
@@ -124,7 +133,7 @@ def load_gguf_model(path: str | os.PathLike, *, device="cpu", backend: str | Non
     if plans:  # _tensor_plan rejects unknown tensors, so this is a bug, not a bad file
         raise AssertionError(f"tensors left unused: {sorted(plans)}")
     model = Transformer(config, embed, layers, norm, lm_head, tokenizer=_tokenizer(info), backend=backend,
-                        weights="gguf")
+                        weights="gguf-a8" if activations == "int8" else "gguf")
     model.gguf_path = info.path
     return model
 

@@ -37,6 +37,10 @@ _ALL_ST_DTYPES = {**_ST_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, 
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+WEIGHTS = (None, "gguf", "gguf-a8")
+"""``load_model``'s weights: safetensors, a GGUF's blocks (exact), its blocks with int8 activations."""
+GGUF_WEIGHTS = ("gguf", "gguf-a8")
+
 # At most this many names are listed per kind of problem (a hostile config can make thousands go missing).
 _MAX_LISTED = 12
 # Buffers some older checkpoints saved; we recompute them from the config, so they are not "unexpected".
@@ -54,18 +58,20 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     few-row layer products in 4 bits; needs AVX-512 VNNI).
     weights: None (safetensors; a ``.gguf`` file means "gguf"), or "gguf": the GGUF file's tensors in their own
     block formats (a ``.gguf`` path, or a zoo name: its GGUF in the cache), fp32 activations, exactly the GGUF's
-    model (``graphspec.models.gguf_weights``).
+    model (``graphspec.models.gguf_weights``); or "gguf-a8": the same blocks with the k-quants' products taking
+    activations rounded to int8 per 256 (llama.cpp's arithmetic: faster on a CPU, not exactly the GGUF's model;
+    ``graphspec.kernels.qlinear``).
     """
-    if weights not in (None, "gguf"):
-        raise ValueError(f"weights={weights!r} is not one of None, 'gguf'")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not one of None, 'gguf', 'gguf-a8'")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise ValueError(f"device={device!r} is not a device; use 'cpu' or 'cuda'") from None
     if device.type not in ("cpu", "cuda"):  # meta tensors hold no weights; other device types have no kernels here
         raise ValueError(f"device={str(device)!r}: graphspec runs on cpu or cuda devices only")
-    if weights == "gguf" or str(path).endswith(".gguf"):
-        return _load_gguf_weights(path, dtype, device, backend, quantize)
+    if weights in GGUF_WEIGHTS or str(path).endswith(".gguf"):
+        return _load_gguf_weights(path, dtype, device, backend, quantize, weights or "gguf")
     directory = _resolve(path)
     config = ModelConfig.from_file(directory / "config.json")
     dtype = _pick_dtype(dtype, config)
@@ -78,7 +84,7 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     return build(config, tensors, tokenizer=tokenizer, backend=backend, quantize=quantize)
 
 
-def _load_gguf_weights(path, dtype, device, backend, quantize) -> Transformer:
+def _load_gguf_weights(path, dtype, device, backend, quantize, weights="gguf") -> Transformer:
     from graphspec.models.gguf_weights import gguf_file_for, load_gguf_model
 
     if dtype is not None and _pick_dtype(dtype, None) != torch.float32:
@@ -87,13 +93,14 @@ def _load_gguf_weights(path, dtype, device, backend, quantize) -> Transformer:
     if quantize is not None:
         raise ValueError(f"quantize={quantize!r} rounds dense weights; GGUF block weights are quantized already: "
                          "pass quantize=None with weights='gguf'")
+    activations = "int8" if weights == "gguf-a8" else "fp32"
     p = Path(path).expanduser()
     if p.is_file():
-        return load_gguf_model(p, device=device, backend=backend)
+        return load_gguf_model(p, device=device, backend=backend, activations=activations)
     from graphspec.models import zoo
 
     if str(path) in zoo.ZOO:
-        return load_gguf_model(gguf_file_for(str(path)), device=device, backend=backend)
+        return load_gguf_model(gguf_file_for(str(path)), device=device, backend=backend, activations=activations)
     if p.is_dir():
         raise ValueError(f"weights='gguf' needs a .gguf file or a zoo name, but {p} is a directory; pass the "
                          "GGUF file it was converted from, or weights=None for its safetensors")

@@ -103,12 +103,13 @@ class Transformer:
         if backend not in (None, "auto", "torch", "triton"):
             raise ValueError(f"backend={backend!r} is not one of None, 'auto', 'torch', 'triton'")
         check_quantize(quantize, backend, embed.device)
-        if weights not in (None, "gguf"):
-            raise ValueError(f"weights={weights!r} is not one of None, 'gguf'")
+        if weights not in (None, "gguf", "gguf-a8"):
+            raise ValueError(f"weights={weights!r} is not one of None, 'gguf', 'gguf-a8'")
         if weights and quantize:
             raise ValueError(f"quantize={quantize!r} rounds dense weights; GGUF block weights (weights='gguf') are "
                              "quantized already: pass one of the two")
-        # "gguf": GEMM weights and the embedding are BlockWeights (models/gguf_weights.py), activations fp32
+        # "gguf": GEMM weights and the embedding are BlockWeights (models/gguf_weights.py), activations fp32;
+        # "gguf-a8": the same, the k-quants' products on activations rounded to int8 (kernels/qlinear.py)
         self.weights = weights
         self.config = config
         self.embed = embed  # [V, H]

@@ -484,6 +484,362 @@ constexpr bool in_registers(int T) { return T >= Q4_0; }
 constexpr bool in_registers(int) { return false; }
 #endif
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// a8: the k-quants (Q4_K, Q5_K, Q6_K) times activations rounded to int8 per super-block of 256, integer dot products
+// (llama.cpp's arithmetic for these formats; graphspec.kernels.qlinear, "Activations rounded to int8").
+//
+// Each row of x, each super-block b of 256: amax = max |x|, dx = amax / 127, q = round-half-even(x * (127 / amax))
+// (|q| <= 127; all zeros where amax is 0; a NaN or infinity makes dx NaN, so the outputs are NaN, as in fp32).
+// The weights are the GGUF's values in their factored form: Q4_K / Q5_K w = d sc_s q - dmin m_s, Q6_K
+// w = d sc_g (q - 32), so
+//     y = sum_b dx_b d_b S_b  -  sum_b sum_s (dmin_b m_s) (dx_b xsum_s)          (the second term Q4_K / Q5_K only)
+// with S_b = sum_s sc_s (q_w . q_x)_s (Q6_K: minus 32 sum_g sc_g xsum_g) an exact integer. The only roundings are
+// fp32's in the combination, in one fixed order: S_b is kept as 16 int32 lanes (lane l: the products of bytes
+// 4l .. 4l + 3 of each of the super-block's four 64-weight units; Q6_K's offset term in lanes 0-7), converted
+// and fused-multiply-added with the fp32 product d * dx into 16 fp32 lanes; the mins term in 8 fp32 lanes
+// (lane s); at the end each lane set is added pairwise (8, 4, 2, 1 apart) and the mins sum subtracted. Every
+// level computes these same bits (avx512 in zmm, avx2 in pairs of ymm, generic lane by lane).
+//
+// The 64 weights of unit u are unsigned (0..15, 0..31, 0..63) in byte lanes; maddubs (u8 x s8 -> pairs summed in
+// int16, at most 2 * 63 * 127, so never saturated) and a multiply-add of int16 pairs with the sub-block scales
+// (vpdpwssd at avx512, vpmaddwd + add at avx2) accumulate them. Q4_K / Q5_K units take their nibbles from 64 bytes
+// at once, so unit u holds sub-blocks kUnitK[u] (two of 32): x is stored in that order when it is quantized.
+
+constexpr int kUnitK[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+
+constexpr bool is_k(int64_t T) { return T == Q4_K || T == Q5_K || T == Q6_K; }
+
+// The activations of M rows, quantized per super-block (see above).
+struct XA8 {
+  std::vector<int8_t> q;     // [M, K]: super-block b's 256 values, Q4_K / Q5_K in unit order
+  std::vector<float> dx;     // [M, K / 256]
+  std::vector<float> mt;     // Q4_K / Q5_K: [M, K / 256, 8]: dx * (sum of sub-block s's 32 q), s in natural order
+  std::vector<int16_t> xs;   // Q6_K: [M, K / 256, 16]: sums of each 16 q
+};
+
+template <int T>
+void quantize_a8(const float* __restrict x, int64_t m, int64_t k, XA8& a) {
+  const int64_t nsb = k / 256;
+  a.q.resize(static_cast<size_t>(m * k));
+  a.dx.resize(static_cast<size_t>(m * nsb));
+  if constexpr (T == Q6_K) a.xs.resize(static_cast<size_t>(m * nsb * 16));
+  else a.mt.resize(static_cast<size_t>(m * nsb * 8));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nsb; ++b) {
+      const float* xb = x + r * k + b * 256;
+      float amax = 0.0f, probe = 0.0f;
+#pragma omp simd reduction(max : amax) reduction(+ : probe)
+      for (int j = 0; j < 256; ++j) {
+        amax = std::max(amax, std::fabs(xb[j]));
+        probe += xb[j] * 0.0f;  // NaN where any value is NaN or infinite
+      }
+      const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const float dx = amax / 127.0f + probe;
+      a.dx[r * nsb + b] = dx;
+      int8_t* qb = a.q.data() + r * k + b * 256;
+      int32_t sums[8];
+      for (int slot = 0; slot < 8; ++slot) {
+        const int s = T == Q6_K ? slot : kUnitK[slot / 2][slot % 2];
+        const float* src = xb + 32 * s;
+        int8_t* dst = qb + 32 * slot;
+        int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < 32; ++j) {
+          const int v = static_cast<int>(std::nearbyint(src[j] * id));
+          dst[j] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        sums[s] = sum;
+      }
+      if constexpr (T == Q6_K) {
+        int16_t* xs = a.xs.data() + (r * nsb + b) * 16;
+        for (int g = 0; g < 16; ++g) {
+          int32_t s = 0;
+          for (int j = 0; j < 16; ++j) s += qb[16 * g + j];
+          xs[g] = static_cast<int16_t>(s);
+        }
+      } else {
+        float* mt = a.mt.data() + (r * nsb + b) * 8;
+        for (int s = 0; s < 8; ++s) mt[s] = dx * static_cast<float>(sums[s]);
+      }
+    }
+  }
+}
+
+// Which of the super-block's scales multiplies int16 lane i (bytes 2i, 2i + 1) of unit u: Q4_K / Q5_K lanes 0-15
+// sub-block kUnitK[u][0], 16-31 kUnitK[u][1]; Q6_K (sixteen scales of 16 weights) lanes 8j .. 8j + 7 scale 4u + j.
+template <int T>
+constexpr int unit_scale_index(int u, int i) { return T == Q6_K ? 4 * u + i / 8 : kUnitK[u][i / 16]; }
+
+// The same as shuffle indices: int16 lanes (vpermw) and byte lanes of each 16-lane half (vpshufb).
+template <int T>
+struct UnitIndex {
+  alignas(64) int16_t w[4][32] = {};
+  alignas(16) int8_t b[4][32] = {};
+  constexpr UnitIndex() {
+    for (int u = 0; u < 4; ++u)
+      for (int i = 0; i < 32; ++i) {
+        w[u][i] = static_cast<int16_t>(unit_scale_index<T>(u, i));
+        b[u][i] = static_cast<int8_t>(unit_scale_index<T>(u, i));
+      }
+  }
+};
+template <int T>
+constexpr UnitIndex<T> kUnitIndex{};
+
+// The integer and fp32 lanes a8 needs, per level. U8V: 64 bytes; I16V: 32 int16; I32V / F32V: 16 lanes.
+#if GS_AVX512
+struct U8V { __m512i v; };
+struct I16V { __m512i v; };
+struct I32V { __m512i v; };
+struct F32V { __m512 v; };
+GS_INLINE U8V u8_load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+GS_INLINE U8V lo4(U8V a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
+GS_INLINE U8V hi4(U8V a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
+GS_INLINE U8V or8(U8V a, U8V b) { return {_mm512_or_si512(a.v, b.v)}; }
+// bytes 0-31: ((h[l] >> s0) & mask) << 4, bytes 32-63: the same with s1 (h: 32 bytes)
+GS_INLINE U8V high_bits(const uint8_t* h, int s0, int s1, int mask) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(s0)), _mm256_set1_epi16(static_cast<int16_t>(s1)), 1);
+  return {_mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8(static_cast<char>(mask))), 4)};
+}
+GS_INLINE I16V maddubs(U8V w, const int8_t* x) { return {_mm512_maddubs_epi16(w.v, _mm512_loadu_si512(x))}; }
+GS_INLINE I32V i32_zero() { return {_mm512_setzero_si512()}; }
+GS_INLINE I32V dpwssd(I32V acc, I16V a, I16V b) { return {_mm512_dpwssd_epi32(acc.v, a.v, b.v)}; }
+// int16 lane i of unit u's scales = scale idx[u][i] of the super-block (one vpermw each)
+template <int T>
+GS_INLINE void unit_scales(const uint8_t* sc, I16V* out) {
+  __m512i v;
+  if constexpr (T == Q6_K) v = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+  else v = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+  for (int u = 0; u < 4; ++u) out[u] = {_mm512_permutexvar_epi16(_mm512_load_si512(kUnitIndex<T>.w[u]), v)};
+}
+// lanes 0-7 -= 32 * (sc[2l] xs[2l] + sc[2l + 1] xs[2l + 1])
+GS_INLINE I32V sub_offset(I32V acc, const int8_t* sc, const int16_t* xs) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))), 5);
+  return {_mm512_sub_epi32(acc.v, _mm512_zextsi256_si512(c))};
+}
+GS_INLINE F32V f32_zero() { return {_mm512_setzero_ps()}; }
+GS_INLINE F32V fma_cvt(I32V a, float t, F32V acc) { return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(a.v), _mm512_set1_ps(t), acc.v)}; }
+GS_INLINE void f32_store(float* p, F32V a) { _mm512_storeu_ps(p, a.v); }
+#define GS_F8_AVX 1
+#elif GS_AVX2
+struct U8V { __m256i lo, hi; };
+struct I16V { __m256i lo, hi; };
+struct I32V { __m256i lo, hi; };
+struct F32V { __m256 lo, hi; };
+GS_INLINE U8V u8_load(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+GS_INLINE U8V lo4(U8V a) { const __m256i m = _mm256_set1_epi8(0x0F); return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)}; }
+GS_INLINE U8V hi4(U8V a) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
+}
+GS_INLINE U8V or8(U8V a, U8V b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+GS_INLINE U8V high_bits(const uint8_t* h, int s0, int s1, int mask) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+  const __m256i mk = _mm256_set1_epi8(static_cast<char>(mask));
+  return {_mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s0)), mk), 4),
+          _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s1)), mk), 4)};
+}
+GS_INLINE I16V maddubs(U8V w, const int8_t* x) {
+  return {_mm256_maddubs_epi16(w.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+          _mm256_maddubs_epi16(w.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)))};
+}
+GS_INLINE I32V i32_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+GS_INLINE I32V dpwssd(I32V acc, I16V a, I16V b) {
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
+}
+template <int T>
+GS_INLINE void unit_scales(const uint8_t* sc, I16V* out) {
+  // the scale bytes picked per int16 lane with vpshufb, then widened: 16 lanes a half
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+  for (int u = 0; u < 4; ++u) {
+    const __m128i a = _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const __m128i*>(kUnitIndex<T>.b[u])));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const __m128i*>(kUnitIndex<T>.b[u] + 16)));
+    if constexpr (T == Q6_K) out[u] = {_mm256_cvtepi8_epi16(a), _mm256_cvtepi8_epi16(b)};
+    else out[u] = {_mm256_cvtepu8_epi16(a), _mm256_cvtepu8_epi16(b)};
+  }
+}
+GS_INLINE I32V sub_offset(I32V acc, const int8_t* sc, const int16_t* xs) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))), 5);
+  return {_mm256_sub_epi32(acc.lo, c), acc.hi};
+}
+GS_INLINE F32V f32_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+GS_INLINE F32V fma_cvt(I32V a, float t, F32V acc) {
+  const __m256 tv = _mm256_set1_ps(t);
+  return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(a.lo), tv, acc.lo), _mm256_fmadd_ps(_mm256_cvtepi32_ps(a.hi), tv, acc.hi)};
+}
+GS_INLINE void f32_store(float* p, F32V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+#define GS_F8_AVX 1
+#else
+#define GS_INLINE inline
+struct U8V { uint8_t v[64]; };
+struct I16V { int16_t v[32]; };
+struct I32V { int32_t v[16]; };
+struct F32V { float v[16]; };
+inline U8V u8_load(const uint8_t* p) { U8V r; std::memcpy(r.v, p, 64); return r; }
+inline U8V lo4(U8V a) { for (auto& b : a.v) b &= 0x0F; return a; }
+inline U8V hi4(U8V a) { for (auto& b : a.v) b = static_cast<uint8_t>(b >> 4); return a; }
+inline U8V or8(U8V a, U8V b) { for (int i = 0; i < 64; ++i) a.v[i] |= b.v[i]; return a; }
+inline U8V high_bits(const uint8_t* h, int s0, int s1, int mask) {
+  U8V r;
+  for (int i = 0; i < 32; ++i) {
+    r.v[i] = static_cast<uint8_t>(((h[i] >> s0) & mask) << 4);
+    r.v[32 + i] = static_cast<uint8_t>(((h[i] >> s1) & mask) << 4);
+  }
+  return r;
+}
+inline I16V maddubs(U8V w, const int8_t* x) {
+  I16V r;
+  for (int i = 0; i < 32; ++i) r.v[i] = static_cast<int16_t>(w.v[2 * i] * x[2 * i] + w.v[2 * i + 1] * x[2 * i + 1]);
+  return r;
+}
+inline I32V i32_zero() { return I32V{}; }
+inline I32V dpwssd(I32V acc, I16V a, I16V b) {
+  for (int l = 0; l < 16; ++l) acc.v[l] += a.v[2 * l] * b.v[2 * l] + a.v[2 * l + 1] * b.v[2 * l + 1];
+  return acc;
+}
+template <int T>
+inline void unit_scales(const uint8_t* sc, I16V* out) {
+  for (int u = 0; u < 4; ++u)
+    for (int i = 0; i < 32; ++i) {
+      const int j = unit_scale_index<T>(u, i);
+      out[u].v[i] = T == Q6_K ? static_cast<int16_t>(static_cast<int8_t>(sc[j])) : static_cast<int16_t>(sc[j]);
+    }
+}
+inline I32V sub_offset(I32V acc, const int8_t* sc, const int16_t* xs) {
+  for (int l = 0; l < 8; ++l) acc.v[l] -= 32 * (sc[2 * l] * xs[2 * l] + sc[2 * l + 1] * xs[2 * l + 1]);
+  return acc;
+}
+inline F32V f32_zero() { return F32V{}; }
+inline F32V fma_cvt(I32V a, float t, F32V acc) {
+  for (int l = 0; l < 16; ++l) acc.v[l] = std::fma(static_cast<float>(a.v[l]), t, acc.v[l]);
+  return acc;
+}
+inline void f32_store(float* p, F32V a) { std::memcpy(p, a.v, 64); }
+#endif
+
+// 8 fp32 lanes: the Q4_K / Q5_K mins term, lane s for sub-block s.
+#ifdef GS_F8_AVX
+struct F8V { __m256 v; };
+GS_INLINE F8V f8_zero() { return {_mm256_setzero_ps()}; }
+GS_INLINE F8V f8_scaled(const uint8_t* m, float d) {  // d * m[s], the mins' bytes
+  return {_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)))))};
+}
+GS_INLINE F8V f8_fma(F8V a, const float* b, F8V acc) { return {_mm256_fmadd_ps(a.v, _mm256_loadu_ps(b), acc.v)}; }
+GS_INLINE void f8_store(float* p, F8V a) { _mm256_storeu_ps(p, a.v); }
+#else
+struct F8V { float v[8]; };
+inline F8V f8_zero() { return F8V{}; }
+inline F8V f8_scaled(const uint8_t* m, float d) { F8V r; for (int s = 0; s < 8; ++s) r.v[s] = d * static_cast<float>(m[s]); return r; }
+inline F8V f8_fma(F8V a, const float* b, F8V acc) { for (int s = 0; s < 8; ++s) acc.v[s] = std::fma(a.v[s], b[s], acc.v[s]); return acc; }
+inline void f8_store(float* p, F8V a) { std::memcpy(p, a.v, 32); }
+#endif
+
+// One weight row of a k-quant times M rows of quantized x (see the top of this section).
+template <int T, int M>
+void row_dot_a8(const uint8_t* __restrict row, const XA8& a, int64_t k, const int64_t* rows, float* __restrict out) {
+  const int64_t nsb = k / 256;
+  F32V acc[M];
+  F8V mins[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = f32_zero();
+    mins[m] = f8_zero();
+  }
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* p = row + b * kTypeSize[T];
+    U8V w[4];
+    I16V sc[4];
+    float d;
+    F8V dm = f8_zero();
+    const int8_t* sc6 = nullptr;
+    if constexpr (T == Q6_K) {
+      d = h2f(p + 208);
+      sc6 = reinterpret_cast<const int8_t*>(p + 192);
+      for (int h = 0; h < 2; ++h) {
+        const U8V l = u8_load(p + 64 * h);
+        w[2 * h] = or8(lo4(l), high_bits(p + 128 + 32 * h, 0, 2, 3));
+        w[2 * h + 1] = or8(hi4(l), high_bits(p + 128 + 32 * h, 4, 6, 3));
+      }
+      unit_scales<T>(p + 192, sc);
+    } else {
+      d = h2f(p);
+      const float dmin = h2f(p + 2);
+      uint8_t f[16];
+      k_fields(p + 4, f);
+      dm = f8_scaled(f + 8, dmin);
+      const uint8_t* qs = p + (T == Q4_K ? 16 : 48);
+      for (int h = 0; h < 2; ++h) {
+        const U8V l = u8_load(qs + 64 * h);
+        w[2 * h] = lo4(l);
+        w[2 * h + 1] = hi4(l);
+      }
+      if constexpr (T == Q5_K)
+        for (int u = 0; u < 4; ++u) w[u] = or8(w[u], high_bits(p + 16, kUnitK[u][0], kUnitK[u][1], 1));
+      unit_scales<T>(f, sc);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int64_t r = rows[m];
+      const int8_t* xq = a.q.data() + r * k + b * 256;
+      I32V s = i32_zero();
+      for (int u = 0; u < 4; ++u) s = dpwssd(s, maddubs(w[u], xq + 64 * u), sc[u]);
+      if constexpr (T == Q6_K) s = sub_offset(s, sc6, a.xs.data() + (r * nsb + b) * 16);
+      acc[m] = fma_cvt(s, d * a.dx[r * nsb + b], acc[m]);
+      if constexpr (T != Q6_K) mins[m] = f8_fma(dm, a.mt.data() + (r * nsb + b) * 8, mins[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float l[16];
+    f32_store(l, acc[m]);
+    for (int width = 8; width >= 1; width /= 2)
+      for (int i = 0; i < width; ++i) l[i] = l[i] + l[i + width];
+    float mn[8];
+    f8_store(mn, mins[m]);
+    for (int width = 4; width >= 1; width /= 2)
+      for (int i = 0; i < width; ++i) mn[i] = mn[i] + mn[i + width];
+    out[m] = l[0] - mn[0];
+  }
+}
+
+template <int T, int M>
+void rows_range_a8(const uint8_t* blocks, int64_t row_bytes, const XA8& a, int64_t k, const int64_t* rows,
+                   int64_t n0, int64_t n1, int64_t n, const float* bias, float* y) {
+  float out[M];
+  for (int64_t j = n0; j < n1; ++j) {
+    row_dot_a8<T, M>(blocks + j * row_bytes, a, k, rows, out);
+    for (int m = 0; m < M; ++m) y[rows[m] * n + j] = bias ? out[m] + bias[j] : out[m];
+  }
+}
+
+using RangeA8Fn = void (*)(const uint8_t*, int64_t, const XA8&, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+                           const float*, float*);
+template <int T>
+constexpr RangeA8Fn kRangeA8[kMaxRows + 1] = {nullptr, rows_range_a8<T, 1>, rows_range_a8<T, 2>, rows_range_a8<T, 3>,
+                                              rows_range_a8<T, 4>, rows_range_a8<T, 5>, rows_range_a8<T, 6>,
+                                              rows_range_a8<T, 7>, rows_range_a8<T, 8>};
+
+template <int T>
+void run_a8(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, const float* bias, float* y) {
+  XA8 a;
+  quantize_a8<T>(x, m, k, a);
+  const int64_t row_bytes = k / 256 * kTypeSize[T];
+  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, row_bytes));
+  std::vector<int64_t> rows(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) rows[i] = i;
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    // up to 8 rows of x a pass: the weight rows are read and unpacked once a pass (decode, verify: once a call)
+    for (int64_t r = 0; r < m; r += kMaxRows) {
+      const int64_t cnt = std::min<int64_t>(kMaxRows, m - r);
+      kRangeA8<T>[cnt](blocks, row_bytes, a, k, rows.data() + r, n0, n1, n, bias, y);
+    }
+  });
+}
+
 using DotFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
 constexpr DotFn kDot[kMaxRows + 1] = {nullptr, dot_rows<1>, dot_rows<2>, dot_rows<3>, dot_rows<4>,
                                       dot_rows<5>, dot_rows<6>, dot_rows<7>, dot_rows<8>};
@@ -555,6 +911,37 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, 
   return y;
 }
 
+at::Tensor qlinear_a8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n, int64_t k,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K, "qlinear_a8: int8 activations run Q4_K, Q5_K and Q6_K "
+              "weights, got block type ", type);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "qlinear_a8: x must be a contiguous CPU float32 [M, ", k, "] tensor, got ", x.sizes());
+  TORCH_CHECK(k % 256 == 0, "qlinear_a8: K=", k, " is not a multiple of 256");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu() &&
+                  blocks.numel() == n * (k / 256) * kTypeSize[type],
+              "qlinear_a8: blocks must be a contiguous CPU uint8 tensor of ", n * (k / 256) * kTypeSize[type],
+              " bytes for a [", n, ", ", k, "] weight");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "qlinear_a8: bias must be a contiguous float32 [", n, "] tensor");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m > 0 && n > 0) {
+    const float* xp = x.data_ptr<float>();
+    const uint8_t* wp = blocks.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    if (type == Q4_K) run_a8<Q4_K>(xp, m, k, wp, n, b, yp);
+    else if (type == Q5_K) run_a8<Q5_K>(xp, m, k, wp, n, b, yp);
+    else run_a8<Q6_K>(xp, m, k, wp, n, b, yp);
+  }
+  return y;
+}
+
 std::string level_name() { return GS_LEVEL_NAME; }
 
 }  // namespace
@@ -562,4 +949,5 @@ std::string level_name() { return GS_LEVEL_NAME; }
 GS_LIBRARY(m) {
   m.def("level", &level_name);
   m.def("qlinear(Tensor x, Tensor blocks, int type, int n, int k, Tensor? bias) -> Tensor", &qlinear);
+  m.def("qlinear_a8(Tensor x, Tensor blocks, int type, int n, int k, Tensor? bias) -> Tensor", &qlinear_a8);
 }

@@ -13,7 +13,8 @@ import torch
 
 from graphspec.kernels import cpu
 from graphspec.kernels.linear import linear
-from graphspec.kernels.qlinear import FORMATS, TYPE_IDS, BlockWeight, qlinear, qlinear_ref
+from graphspec.kernels.qlinear import (FORMATS, TYPE_IDS, BlockWeight, qlinear, qlinear_a8_ref, qlinear_ref,
+                                       quantize_activations_ref)
 from tests.conftest import C_LEVELS
 from tests.kernels._qblocks import random_blocks
 
@@ -94,3 +95,131 @@ def test_qgemm_through_linear_and_its_checks(level):
     assert torch.equal(y.reshape(6, 7), qlinear(x.reshape(6, 256), w))
     with pytest.raises(RuntimeError, match="bytes for a"):
         cpu.qops().qlinear(x.reshape(6, 256), w.blocks[:3], TYPE_IDS["Q4_K"], 7, 256, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# int8 activations (activations="int8": the k-quants' a8 GEMM). The oracle is kernels.qlinear.qlinear_a8_ref: x
+# rounded per 256 exactly as the kernel rounds it, times the dequantized weight, summed in float64. The kernel
+# sums integers exactly and rounds only in its fp32 combination, so the bound is the fp32 summation error of the
+# rounded x: 1e-5 * (|q dx| @ |w|^T).
+
+A8 = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+def _a8_weight(type_name: str, n: int, k: int, seed: int = 0) -> BlockWeight:
+    return BlockWeight(type_name, torch.from_numpy(random_blocks(type_name, n, k, seed=seed)), (n, k), "int8")
+
+
+def _a8_bound(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
+    q, dx = quantize_activations_ref(x)
+    xr = (q.double() * dx.double()[..., None]).reshape(x.shape)
+    return 1e-5 * (xr.abs() @ w.dense().abs().double().t()) + 1e-30
+
+
+def _with_outliers(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, ::97] *= 300.0  # real activations' few large channels: they set dx for their whole super-block
+    return x
+
+
+@pytest.mark.parametrize("type_name", A8)
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_a8_matches_its_reference(level, type_name, m):
+    n, k = 37, 768
+    w = _a8_weight(type_name, n, k, seed=m)
+    x = _with_outliers(m, k, seed=m)
+    bias = torch.randn(n)
+    y = qlinear(x, w, bias)
+    err = (y.double() - qlinear_a8_ref(x, w, bias).double()).abs()
+    bound = _a8_bound(x, w)
+    assert (err <= bound).all(), f"{level} {type_name}: worst {float((err / bound).max()):.2f}x the bound"
+    # and it is not the fp32-activation product: the rounding of x shows
+    exact = qlinear(x, BlockWeight(type_name, w.blocks, w.shape), bias)
+    assert not torch.allclose(y, exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("type_name", A8)
+def test_a8_rounds_ties_to_even(level, type_name):
+    # amax 127 makes 127 / amax exactly 1, so x = j + 0.5 is a tie: rounding half away from zero instead of to
+    # even moves about half of the 256 values a super-block by one step, far outside the bound
+    n, k = 11, 512
+    w = _a8_weight(type_name, n, k)
+    x = (torch.arange(k, dtype=torch.float32) % 200 - 100 + 0.5).reshape(1, k)
+    x[0, ::256] = 127.0
+    q, dx = quantize_activations_ref(x)
+    assert torch.equal(q.reshape(1, k)[0, 1:5], torch.tensor([-98.0, -98.0, -96.0, -96.0]))  # -98.5 .. -95.5
+    err = (qlinear(x, w).double() - qlinear_a8_ref(x, w).double()).abs()
+    assert (err <= _a8_bound(x, w)).all()
+
+
+@pytest.mark.parametrize("type_name", A8)
+def test_a8_rows_are_exact_whatever_the_row_count_and_threads(level, type_name):
+    n, k = 29, 512
+    w = _a8_weight(type_name, n, k)
+    x = _with_outliers(13, k, seed=1)
+    alone = torch.cat([qlinear(x[i:i + 1], w) for i in range(13)])
+    for m in range(1, 9):
+        for start in (0, 13 - m):
+            assert torch.equal(qlinear(x[start:start + m], w), alone[start:start + m]), (level, type_name, m)
+    assert torch.equal(qlinear(x, w), alone)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(qlinear(x[:5], w), alone[:5]), (level, type_name, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(len(C_LEVELS) < 2, reason="needs a CPU that executes two C++ levels")
+@pytest.mark.parametrize("type_name", A8)
+def test_a8_every_level_gives_the_same_bits(type_name):
+    n, k = 19, 768
+    w = _a8_weight(type_name, n, k)
+    x = _with_outliers(11, k, seed=2)
+    for m in (1, 4, 11):
+        got = [cpu.qops(lv).qlinear_a8(x[:m].contiguous(), w.blocks, TYPE_IDS[type_name], n, k, None)
+               for lv in C_LEVELS]
+        for lv, g in zip(C_LEVELS[1:], got[1:]):
+            assert torch.equal(got[0], g), (type_name, m, C_LEVELS[0], lv)
+
+
+@pytest.mark.parametrize("type_name", A8)
+def test_a8_zero_and_non_finite_rows(level, type_name):
+    n, k = 7, 512
+    w = _a8_weight(type_name, n, k)
+    bias = torch.randn(n)
+    x = torch.randn(4, k)
+    x[0] = 0.0
+    x[1, 300] = float("nan")
+    x[2, 3] = float("inf")
+    y = qlinear(x, w, bias)
+    assert torch.equal(y[0], bias)  # all-zero activations: exactly the bias
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    assert torch.isfinite(y[3]).all() and torch.equal(y[3:], qlinear(x[3:], w, bias))
+
+
+def test_a8_applies_to_the_k_quants_only(level):
+    # a legacy format asked for int8 activations keeps fp32 ones: the same bits as without the setting
+    w = BlockWeight("Q8_0", torch.from_numpy(random_blocks("Q8_0", 9, 256)), (9, 256), "int8")
+    assert not w.int8_activations
+    x = torch.randn(3, 256)
+    assert torch.equal(qlinear(x, w), qlinear(x, BlockWeight("Q8_0", w.blocks, w.shape)))
+    with pytest.raises(ValueError, match="activations='int4' is not one of"):
+        BlockWeight("Q4_K", w.blocks, w.shape, "int4")
+    k = _a8_weight("Q4_K", 5, 256)
+    with pytest.raises(RuntimeError, match="int8 activations run Q4_K, Q5_K and Q6_K"):
+        cpu.qops().qlinear_a8(x, w.blocks, TYPE_IDS["Q8_0"], 9, 256, None)
+    assert "activations=int8" in repr(k) and k.select(torch.tensor([0, 2])).int8_activations
+
+
+def test_a8_at_the_torch_level_is_the_reference_and_agrees_with_the_kernels():
+    w = _a8_weight("Q4_K", 13, 512)
+    x = _with_outliers(3, 512, seed=3)
+    with cpu.use_level("torch"):
+        y = qlinear(x, w)
+    assert torch.equal(y, qlinear_a8_ref(x, w))
+    for lv in C_LEVELS:
+        with cpu.use_level(lv):
+            assert ((qlinear(x, w).double() - y.double()).abs() <= _a8_bound(x, w)).all(), lv
