@@ -37,7 +37,12 @@
   learns across them). The model draft
   (any model drafter, with the target's tokenizer or another: the suffix structure is in the target's
   tokens) is prefilled only when it first drafts, so a request that suffix trees serve throughout never
-  pays for it. The choice reads only the draft side and committed tokens, so the output stays lossless.
+  pays for it. In greedy runs a model step also pays its share of that catch-up prefill (the committed
+  tokens the draft's cache lacks: the whole prompt at a request's first model step), spread over the tokens
+  the request may still produce, priced by one short prefill timed against one-token draft forwards
+  (``measure_prefill_cost``, once per draft model and thread count); a step with no suffix tree is a plain
+  step when the model draft, so priced, would yield less than one token a verify. The choice reads only the
+  draft side and committed tokens, so the output stays lossless.
 """
 
 from __future__ import annotations
@@ -46,18 +51,20 @@ import json
 import math
 import os
 import threading
+import time
+import weakref
 from array import array
 from pathlib import Path
 
 import torch
 
-from graphspec.drafters import ModelDrafter
+from graphspec.drafters import ModelDrafter, next_logits, prefill
 from graphspec.graph import Stage
 from graphspec.kernels.sampling import exponential_noise
 
 __all__ = ["SuffixAutomaton", "SuffixStore", "SuffixDrafter", "HybridDrafter", "SUFFIX_SPEC_FACTOR",
            "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH", "HYBRID_MODEL_K",
-           "HYBRID_DRAFT_COST"]
+           "HYBRID_DRAFT_COST", "HYBRID_PREFILL_PROBE", "measure_prefill_cost"]
 
 SEP = -1     # document separator in a store's text (never a token id)
 _NONE = -2   # "no transition" in the first-transition slot
@@ -81,6 +88,11 @@ HYBRID_PRIOR_MODEL = 3.0       # tokens a model step is assumed to yield before 
 # Suffix trees' calibration starts at 1 with this many tokens of score behind it: one early tree that misses (a match
 # of one token with one occurrence scores 1 a node) must not put suffix trees out of use for good.
 HYBRID_PRIOR_SUFFIX = 4.0
+# Tokens of the one prefill that measure_prefill_cost times. The 0.5B int8 draft on an AMD EPYC Zen 4 (1 thread,
+# 2026-12-03, perf/RESULTS.md): a prefill costs 0.27-0.31 of a one-token forward per token from 32 to 900 tokens,
+# 0.29 at 32; below 16 tokens the fixed part of a forward shows (2 tokens: 0.53 a token), so 32 is about the
+# smallest probe that prices a prompt's prefill; measuring takes 0.7 s there (1.6 s on a model's first forwards).
+HYBRID_PREFILL_PROBE = 32
 
 
 class SuffixAutomaton:
@@ -588,6 +600,52 @@ def _followed(toks: list[int], parents: list[int], committed: list[int]) -> int:
     return got
 
 
+# draft model -> {(threads, head width): a prefill's seconds per token over a draft forward's}; weak, so that a
+# model's measurement goes with it
+_PREFILL_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def measure_prefill_cost(drafter: ModelDrafter, tokens: int = HYBRID_PREFILL_PROBE, repeats: int = 2) -> float:
+    """A batched prefill's time per token over one draft forward's, for ``drafter``'s model on this machine.
+
+    Times a prefill of ``tokens`` tokens (``graphspec.drafters.prefill``, as ``ModelDrafter.catch_up`` runs
+    it) and one-token draft forwards (``next_logits``, with the drafter's head) in a scratch cache, best of
+    ``repeats`` each, both in the same moment so that the host's load falls on both. Kept per model, thread
+    count and head width: measured once (0.7 s for the 0.5B int8 draft on one Zen 4 core, warm).
+    A ratio, so it carries over to the rule's unit through ``draft_cost`` (a draft forward in verifies).
+    """
+    _check_int("tokens", tokens, 1)
+    model = drafter.model
+    from graphspec.engine import _BatchedModel  # the engine's proxy would queue the probe behind batched steps
+
+    if isinstance(model, _BatchedModel):
+        model = model.model
+    key = (torch.get_num_threads(), None if drafter.head is None else int(drafter.head.ids.numel()))
+    try:
+        known = _PREFILL_COSTS.setdefault(model, {})
+    except TypeError:  # a model object that takes no weak reference: measured each time
+        known = {}
+    if key in known:
+        return known[key]
+    device = getattr(model, "device", torch.device("cpu"))
+    cache = model.new_cache(tokens + 1)
+    ids = [0] * tokens
+    one = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    fill = step = float("inf")
+    for _ in range(max(repeats, 1)):
+        cache.truncate(0)
+        t0 = time.perf_counter()
+        prefill(model, cache, ids, device)
+        fill = min(fill, time.perf_counter() - t0)
+        for _ in range(2):
+            cache.truncate(tokens)
+            t0 = time.perf_counter()
+            next_logits(model, drafter.head, one, cache)
+            step = min(step, time.perf_counter() - t0)
+    known[key] = ratio = fill / tokens / max(step, 1e-9)
+    return ratio
+
+
 class HybridDrafter(Stage):
     """Per step, the suffix tree when it should be accepted well, else a model draft (lossless either way).
 
@@ -608,6 +666,20 @@ class HybridDrafter(Stage):
 
     (a suffix step costs one verify; a model step one verify and ``f`` draft forwards of ``draft_cost``
     verifies each). The figures are kept over the drafter's life, across requests.
+
+    Catch-up (greedy runs, a same-tokenizer chain or tree draft): a model step first feeds the draft the ``T``
+    committed tokens its cache lacks (the whole prompt at a request's first model step, the tokens of the
+    suffix steps since the last one after that) as one prefill, ``p`` draft forwards a token (``prefill_cost``;
+    None: ``measure_prefill_cost``). That buys model steps for the rest of the request, so a model step pays its
+    share of it, its expected tokens over the ``r`` tokens the request may still produce, as the engine's
+    ``SpeculationPolicy`` spreads a deferred draft's catch-up:
+
+        model rate = m / (1 + draft_cost * f + draft_cost * p * T * min(m / r, 1))
+
+    A long prompt with a short budget left thus keeps the model out unless suffix trees do badly; with no
+    suffix tree the step is a plain one (no proposal) when the model rate is below 1 (a plain step yields one
+    token a verify). Sampled runs leave the catch-up out: it is timed, and a seeded sample must not depend on
+    the host's load.
     """
 
     reads = ("tokens", "num_draft", "params", "generator")
@@ -615,7 +687,7 @@ class HybridDrafter(Stage):
 
     def __init__(self, model, suffix: SuffixDrafter | None = None, *, switch: float = HYBRID_SWITCH,
                  model_k: int | None = HYBRID_MODEL_K, draft_cost: float = HYBRID_DRAFT_COST,
-                 prior_model: float = HYBRID_PRIOR_MODEL, name: str = "draft"):
+                 prior_model: float = HYBRID_PRIOR_MODEL, prefill_cost: float | None = None, name: str = "draft"):
         super().__init__(name)
         stages = list(model) if isinstance(model, (list, tuple)) else [model]
         if not stages or not all(isinstance(s, Stage) for s in stages):
@@ -636,6 +708,12 @@ class HybridDrafter(Stage):
                 raise ValueError(f"{what} must be a number >= 0, got {v!r}")
         self.draft_cost = float(draft_cost)
         self.prior_model = float(prior_model)
+        if prefill_cost is not None and (isinstance(prefill_cost, bool) or not isinstance(prefill_cost, (int, float))
+                                         or not prefill_cost >= 0):
+            raise ValueError(f"prefill_cost must be a number >= 0 (a prefill's cost per token in draft forwards) or "
+                             f"None (measured), got {prefill_cost!r}")
+        # a draft prefill's cost per token in draft forwards (None: measured when a catch-up is first priced)
+        self.prefill_cost = None if prefill_cost is None else float(prefill_cost)
         # what each kind of step earned so far, over every request (lock: the engine's threads share the stage)
         self.measured = {"suffix_score": 0.0, "suffix_accepted": 0, "model_steps": 0, "model_tokens": 0,
                          "model_forwards": 0}
@@ -667,16 +745,41 @@ class HybridDrafter(Stage):
         if self.model_map is not None:
             self.model_map.begin(state)
         state.scratch(self).update(last=None)
-        state.run.extra["hybrid"] = {"suffix_steps": 0, "model_steps": 0}
+        state.run.extra["hybrid"] = {"suffix_steps": 0, "model_steps": 0, "plain_steps": 0}
 
-    def prefers_suffix(self, score: float, k: int) -> bool:
-        """The rule (see the class docstring) for a suffix tree of ``score`` against a model step of at most ``k``."""
+    def model_rate(self, k: int, catch_up: int = 0, remaining: int = 1) -> float:
+        """Tokens a verify of a model step of at most ``k`` drafts, with ``catch_up`` tokens to prefill first and
+        ``remaining`` tokens left to the request (see the class docstring)."""
         m = self.measured
-        c = (m["suffix_accepted"] + HYBRID_PRIOR_SUFFIX) / (m["suffix_score"] + HYBRID_PRIOR_SUFFIX)
         steps = m["model_steps"] + 1  # one prior step
         tokens = (m["model_tokens"] + self.prior_model) / steps
         forwards = (m["model_forwards"] + k) / steps
-        return 1.0 + c * score >= self.switch * tokens / (1.0 + self.draft_cost * forwards)
+        cost = 1.0 + self.draft_cost * forwards
+        if catch_up > 0:
+            if self.prefill_cost is None:
+                raise ValueError("HybridDrafter.prefill_cost is not measured yet; set it (draft forwards a prefill "
+                                 "token costs) or let run() measure it")
+            cost += self.draft_cost * self.prefill_cost * catch_up * min(tokens / max(remaining, 1), 1.0)
+        return tokens / cost
+
+    def prefers_suffix(self, score: float, k: int, catch_up: int = 0, remaining: int = 1) -> bool:
+        """The rule (see the class docstring) for a suffix tree of ``score`` against a model step of at most ``k``
+        that must first prefill ``catch_up`` tokens, with ``remaining`` tokens left to the request."""
+        m = self.measured
+        c = (m["suffix_accepted"] + HYBRID_PRIOR_SUFFIX) / (m["suffix_score"] + HYBRID_PRIOR_SUFFIX)
+        return 1.0 + c * score >= self.switch * self.model_rate(k, catch_up, remaining)
+
+    def catch_up_tokens(self, state) -> int:
+        """Committed tokens the model draft must be fed before it drafts (what ``ModelDrafter.catch_up`` prefills;
+        0 where it prefills nothing: fewer than two, a beam, a draft with another tokenizer, a sampled run)."""
+        d = self.model_drafter
+        if not state.params.greedy or not isinstance(d, ModelDrafter) or d.beam:
+            return 0
+        cache = state.scratch(d).get("cache")
+        if cache is None:
+            return 0
+        behind = len(state.tokens) - 1 - cache.length
+        return behind if behind >= 2 else 0
 
     def end(self, state) -> None:
         self.suffix.end(state)
@@ -729,12 +832,21 @@ class HybridDrafter(Stage):
         toks, parents, scores, counts, _ = self.suffix.propose(state, k)
         tree = (toks, parents, scores)
         extra = state.run.extra["hybrid"]
-        if toks and self.prefers_suffix(sum(scores), model_k):
+        behind = self.catch_up_tokens(state) if k > 0 else 0
+        if behind and self.prefill_cost is None:
+            self.prefill_cost = measure_prefill_cost(self.model_drafter)
+        remaining = state.run.capacity - n  # tokens the request may still produce (capacity: prompt + max_new)
+        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining):
             write_tree(state, toks, parents, counts)
             sc["last"] = ("suffix", n, tree, 0)
             extra["suffix_steps"] += 1
             return
-        self._catch_up(state)
+        if not toks and k > 0 and self.model_rate(model_k, behind, remaining) < 1.0:
+            write_tree(state, [], [], [])  # a plain step: the model would cost more than it yields
+            extra["plain_steps"] += 1
+            return
+        if k > 0:  # a step that may draft nothing (the request's last token) must not pay a catch-up for nothing
+            self._catch_up(state)
         state.num_draft = model_k
         f0 = state.run.draft_forwards
         for st in self.model_stages:

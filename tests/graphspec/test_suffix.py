@@ -229,6 +229,140 @@ def test_the_hybrid_calibrates_suffix_trees_it_did_not_propose():
     assert m["suffix_score"] > 0 and m["suffix_accepted"] > 0
 
 
+def test_the_hybrid_rule_counts_the_draft_catch_up_prefill():
+    from graphspec import ModelDrafter
+
+    # nothing measured: a model step yields 3 tokens for 1 + 0.2 * 5 = 2 verifies (1.5 a verify); a prefill token
+    # costs 0.3 draft forwards, 0.06 verify
+    h = HybridDrafter(ModelDrafter(_draft()), draft_cost=0.2, prior_model=3.0, prefill_cost=0.3)
+    assert h.model_rate(5) == pytest.approx(1.5)
+    # an 800-token prompt to prefill (48 verifies) with 96 tokens left: a step's share is 3/96 of it, 1.5 verifies
+    assert h.model_rate(5, catch_up=800, remaining=96) == pytest.approx(3 / (2 + 1.5))
+    # so a decent suffix tree (expecting 0.3 tokens) is taken while the catch-up is owed ...
+    assert h.prefers_suffix(0.3, 5, catch_up=800, remaining=96)
+    # ... and the model once the catch-up is paid (the same tree, nothing left to prefill)
+    assert not h.prefers_suffix(0.3, 5, catch_up=0, remaining=96)
+    # the share grows as the request runs out: near its end the same prompt is worth even less
+    assert h.model_rate(5, 800, remaining=10) < h.model_rate(5, 800, remaining=96)
+    # with many tokens left the catch-up spreads thin, and the model is taken over the same tree
+    assert not h.prefers_suffix(0.3, 5, catch_up=800, remaining=100_000)
+    # a step's share never exceeds the whole catch-up: a step cannot cost more than all of it
+    assert h.model_rate(5, 800, remaining=1) == pytest.approx(3 / (2 + 48))
+    # below one token a verify: a step with no suffix tree is better plain (what run() does with it)
+    assert h.model_rate(5, 800, remaining=20) < 1.0 < h.model_rate(5, 0, remaining=20)
+    with pytest.raises(ValueError, match="prefill_cost"):
+        HybridDrafter(ModelDrafter(_draft()), prefill_cost=-0.1)
+    with pytest.raises(ValueError, match="not measured"):
+        HybridDrafter(ModelDrafter(_draft())).model_rate(5, catch_up=10, remaining=10)
+
+
+class RecordingHybrid(HybridDrafter):
+    """Records, per step, the catch-up the rule saw and what it chose (suffix, model or plain)."""
+
+    def run(self, state):
+        behind = self.catch_up_tokens(state)
+        before = dict(state.run.extra.get("hybrid", {}))
+        super().run(state)
+        after = state.run.extra["hybrid"]
+        kind = next((k[:-len("_steps")] for k in after if after[k] != before.get(k, 0)), "none")
+        self.log.append((behind, kind))
+
+
+def _recording(prefill_cost, **kw):
+    from graphspec import ModelDrafter
+
+    h = RecordingHybrid(ModelDrafter(_draft()), prefill_cost=prefill_cost, **kw)
+    h.log = []
+    return h
+
+
+def test_a_costly_catch_up_keeps_the_model_draft_out_and_output_exact():
+    # A long prompt (60 tokens, whose repeats give suffix trees) and few tokens left: with prefill free the
+    # model drafts at some steps; priced high, the draft is never prefilled (suffix or plain steps only, no
+    # draft forward), and the tokens are the target's alone either way.
+    prompt = [(7 * i) % 13 for i in range(60)]
+    free = _recording(0.0)
+    out = _check_greedy(graphspec.Pipeline(_target(), draft=free, num_speculative_tokens=5), [prompt], n=16)[0]
+    assert any(kind == "model" for _, kind in free.log) and out.draft_forwards > 0
+    assert free.log[0][0] == len(prompt) - 1  # the first step owes the whole prompt (the pending token aside)
+    costly = _recording(1e4)
+    out = _check_greedy(graphspec.Pipeline(_target(), draft=costly, num_speculative_tokens=5), [prompt], n=16)[0]
+    kinds = {kind for _, kind in costly.log}
+    assert "model" not in kinds and kinds and out.draft_forwards == 0
+    assert costly.measured["model_steps"] == 0
+
+
+def test_fresh_text_with_no_suffix_tree_takes_plain_steps_while_the_catch_up_costs_more():
+    # FRESH prompts give few suffix trees: with the catch-up priced out of reach the steps without one are plain.
+    # (A one-token prompt owes no catch-up at its first step, so the model drafts there: left out.)
+    costly = _recording(1e4)
+    prompts = [p for p in FRESH if len(p) > 2]
+    stats = _check_greedy(graphspec.Pipeline(_target(), draft=costly, num_speculative_tokens=4), prompts, n=24)
+    assert any(kind == "plain" for _, kind in costly.log)
+    assert sum(s.draft_forwards for s in stats) == 0
+
+
+def test_after_a_model_step_the_catch_up_is_paid_and_the_model_keeps_drafting():
+    # switch huge: the model whenever it is worth anything; prefill priced (0.3) but affordable over 40 tokens
+    h = _recording(0.3, switch=1e9)
+    prompt = FRESH[2]
+    _check_greedy(graphspec.Pipeline(_target(), draft=h, num_speculative_tokens=4), [prompt], n=40)
+    model_at = [i for i, (_, kind) in enumerate(h.log) if kind == "model"]
+    assert len(model_at) > 3 and h.log[0] == (len(prompt) - 1, "model")  # the prompt, the pending token aside
+    # every model step right after another found the draft in step (nothing to prefill); after plain or suffix
+    # steps it owes their tokens
+    followers = [i for i in model_at if i - 1 in model_at]
+    assert len(followers) > 3 and all(h.log[i][0] == 0 for i in followers)
+    assert all(h.log[i][0] > 0 for i in model_at if i - 1 not in model_at)
+
+
+def test_sampled_runs_leave_the_timed_catch_up_out_of_the_rule():
+    # A seeded sample must not depend on the host's load: catch_up_tokens is 0 in sampled runs, so the (timed)
+    # prefill cost never enters their choice. Priced free or out of reach, the same seed gives the same steps
+    # and tokens (in a greedy run the two prices give different steps: see the tests above).
+    runs = []
+    for cost in (0.0, 1e4):
+        h = _recording(cost)
+        pipe = graphspec.Pipeline(_target(), draft=h, num_speculative_tokens=4)
+        out = pipe.run([5, 9, 2, 7, 7, 1, 12], max_new_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
+        assert h.log and all(behind == 0 for behind, _ in h.log)
+        runs.append((out.token_ids, [kind for _, kind in h.log]))
+    assert runs[0] == runs[1] and "model" in runs[0][1]
+
+
+def test_measure_prefill_cost_times_once_per_model(monkeypatch, tiny):
+    import graphspec.suffix as suffix
+    from graphspec import ModelDrafter
+
+    _, draft = tiny
+    calls = []
+    real = suffix.prefill
+    monkeypatch.setattr(suffix, "prefill", lambda *a: (calls.append(len(a[2])), real(*a))[1])
+    monkeypatch.setattr(suffix, "_PREFILL_COSTS", __import__("weakref").WeakKeyDictionary())
+    d = ModelDrafter(draft)
+    ratio = suffix.measure_prefill_cost(d, tokens=16, repeats=2)
+    assert 0 < ratio < float("inf") and calls == [16, 16]
+    assert suffix.measure_prefill_cost(ModelDrafter(draft), tokens=16) == ratio and calls == [16, 16]  # kept
+    # the hybrid measures it at its first catch-up, and only then
+    pipe = graphspec.Pipeline(tiny[0], draft=[draft, "suffix"], num_speculative_tokens=4)
+    h = pipe.graph["draft"]
+    assert h.prefill_cost is None
+    pipe.run(_prompts()[2], max_new_tokens=8)
+    assert h.prefill_cost is not None and h.prefill_cost > 0
+
+
+@pytest.mark.parametrize("prefill_cost", [0.0, 0.3, 1e4])
+def test_greedy_hybrid_with_any_catch_up_price_equals_autoregressive(tiny, prefill_cost):
+    target, draft = tiny
+    pipe = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=6)
+    pipe.graph["draft"].prefill_cost = prefill_cost
+    stats = _check_greedy(pipe, [p for p in _prompts() if len(p) > 2], n=40)  # a 1-token prompt owes no catch-up
+    if prefill_cost == 1e4:  # priced out: the draft never runs
+        assert sum(s.draft_forwards for s in stats) == 0
+    else:
+        assert sum(s.draft_forwards for s in stats) > 0
+
+
 def test_followed_walks_a_tree_from_its_root():
     from graphspec.suffix import _followed
 
