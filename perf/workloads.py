@@ -26,7 +26,8 @@ microseconds per appended token.
 position, the suffix tree (its score, the tokens the target would take) and the model draft's tree (the
 tokens taken, its draft forwards; the 0.5B int8 draft, no target); then it replays whole requests under
 each rule offline and prints tokens per target forward and tokens per unit of time, the unit a verify
-and a draft forward ``--draft-cost`` of one.
+and a draft forward ``--draft-cost`` of one, the draft's prefills included (a token of them costs
+``--prefill-cost`` draft forwards, by default measured as the hybrid measures it).
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def hybrid_positions(path: Path, draft, k: int) -> dict:
                             run.draft_forwards - f0, _taken(ids[:chain], tree[:chain], rest, 0))
             state.tokens = list(prompt) + out
             suffix.end(state)
-            rows.append({"n": len(out), "steps": steps})
+            rows.append({"n": len(out), "prompt_len": len(prompt), "steps": steps})
         out_all[wl] = rows
     return out_all
 
@@ -243,23 +244,35 @@ def _previous_hybrid_rule(score, request) -> bool:
     return c * score >= 0.7 * m
 
 
-def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int) -> dict:
+def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill_cost: float = 0.0,
+                  max_new: int = 96) -> dict:
     """Whole requests replayed under a rule: per workload (tokens per target forward, tokens per unit of time,
-    suffix steps, model steps); the unit is a verify, a draft forward costs ``draft_cost`` of one."""
+    suffix steps, model steps, plain steps); the unit is a verify, a draft forward costs ``draft_cost`` of one and a
+    token of the draft's prefill ``prefill_cost`` draft forwards. The model draft's prefills are paid as the
+    library pays them: the prompt at the start for ``model``; for the hybrids, the committed tokens its cache
+    lacks (two or more) before each model step. ``hybrid`` is the rule without that cost in it (until
+    2026-12-03, 12:00 UTC), ``catch-up`` the rule with it (which may also take plain steps)."""
     from graphspec.suffix import HybridDrafter
 
     res = {}
     for wl, reqs in positions.items():
         hybrid = HybridDrafter.__new__(HybridDrafter)  # only its rule and measurements: no model needed
         hybrid.switch, hybrid.draft_cost, hybrid.prior_model = 1.0, draft_cost, 3.0
+        hybrid.prefill_cost = prefill_cost
         hybrid.measured = {"suffix_score": 0.0, "suffix_accepted": 0, "model_steps": 0, "model_tokens": 0,
                            "model_forwards": 0}
-        tokens = steps = forwards = n_suffix = n_model = 0
+        tokens = steps = forwards = n_suffix = n_model = n_plain = prefilled = 0
         for req in reqs:
             request = dict.fromkeys(hybrid.measured, 0)
             pos, n = 1, req["n"]
+            plen = req.get("prompt_len", 0)
+            fed = plen if rule == "model" else 0  # tokens in the draft's cache
+            prefilled += fed
             while pos < n:
                 score, ntoks, s_got, m_got, fw, chain_got = req["steps"][pos]
+                behind = plen + pos - 1 - fed  # the committed tokens but the pending one, less those fed
+                behind = behind if behind >= 2 else 0
+                remaining = max_new - pos
                 if rule == "previous":  # its model draft was a chain
                     m_got = chain_got
                 if rule == "suffix":
@@ -268,9 +281,15 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int) -> dict
                     kind = "model"
                 elif rule == "previous":
                     kind = "suffix" if ntoks and _previous_hybrid_rule(score, request) else "model"
-                else:
+                elif rule == "hybrid":
                     kind = "suffix" if ntoks and hybrid.prefers_suffix(score, k) else "model"
+                else:
+                    kind = ("suffix" if ntoks and hybrid.prefers_suffix(score, k, behind, remaining) else
+                            "plain" if not ntoks and hybrid.model_rate(k, behind, remaining) < 1.0 else "model")
                 got = {"suffix": s_got, "model": m_got, "plain": 0}[kind]
+                if kind == "model" and rule != "model":
+                    prefilled += behind
+                    fed = plen + pos + got - 1  # all but the newest committed token or two: in step
                 for m in (hybrid.measured, request):
                     if kind == "suffix" or ntoks and m is hybrid.measured and rule == "hybrid":
                         # the hybrid checks every step's tree against the committed tokens (after a model step,
@@ -283,12 +302,14 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int) -> dict
                         m["model_forwards"] += fw
                 n_suffix += kind == "suffix"
                 n_model += kind == "model"
+                n_plain += kind == "plain"
                 forwards += fw if kind == "model" else 0
                 pos += got + 1
                 steps += 1
             tokens += n - 1
-        res[wl] = (tokens / steps if steps else 0.0, tokens / (steps + draft_cost * forwards) if steps else 0.0,
-                   n_suffix, n_model)
+        time_units = steps + draft_cost * (forwards + prefill_cost * prefilled)
+        res[wl] = (tokens / steps if steps else 0.0, tokens / time_units if steps else 0.0, n_suffix, n_model,
+                   n_plain)
     return res
 
 
@@ -333,6 +354,8 @@ def main(argv=None) -> int:
                     help="replay saved outputs through the hybrid's rules (the model draft runs, the target does not)")
     ap.add_argument("--draft-cost", type=float, nargs="*", default=[0.1, 0.2, 0.3],
                     help="--replay-hybrid: a draft forward's cost in verifies (the time unit)")
+    ap.add_argument("--prefill-cost", type=float, default=None,
+                    help="--replay-hybrid: a draft prefill token's cost in draft forwards (default: measured)")
     ap.add_argument("--no-results", action="store_true", help="do not append to perf/workloads.jsonl")
     args = ap.parse_args(argv)
     if args.threads:
@@ -355,16 +378,25 @@ def main(argv=None) -> int:
     from graphspec.models import load_model
 
     if args.replay_hybrid is not None:
+        from graphspec.defaults import AUTO_DRAFT_SIBLINGS
+        from graphspec.drafters import ModelDrafter
+        from graphspec.suffix import measure_prefill_cost
+
         draft = load_model(DRAFT, dtype=DTYPES[args.dtype], quantize="int8")
+        # what the hybrid measures at its first catch-up (the same draft, head and threads)
+        prefill_cost = (measure_prefill_cost(ModelDrafter(draft, draft_vocab="auto", siblings=AUTO_DRAFT_SIBLINGS))
+                        if args.prefill_cost is None else args.prefill_cost)
+        max_new = json.loads(args.replay_hybrid.read_text()).get("max_new_tokens", args.max_new_tokens)
         t0 = time.perf_counter()
         positions = hybrid_positions(args.replay_hybrid, draft, K["hybrid"])
-        log(f"# positions drafted in {time.perf_counter() - t0:.0f} s; per workload: tokens per target forward / "
-            "tokens per unit of time (suffix steps, model steps)")
+        log(f"# positions drafted in {time.perf_counter() - t0:.0f} s; a prefill token costs {prefill_cost:.3f} draft "
+            f"forwards; per workload: tokens per target forward / tokens per unit of time, draft prefills counted "
+            "(suffix steps, model steps, plain steps)")
         for cost in args.draft_cost:
-            for rule in ("suffix", "model", "previous", "hybrid"):
-                res = replay_hybrid(positions, rule, cost, K["hybrid"])
+            for rule in ("suffix", "model", "previous", "hybrid", "catch-up"):
+                res = replay_hybrid(positions, rule, cost, K["hybrid"], prefill_cost, max_new)
                 log(f"draft_cost {cost} {rule:8s} " + "  ".join(
-                    f"{wl} {a:.2f} / {b:.2f} ({ns}, {nm})" for wl, (a, b, ns, nm) in res.items()))
+                    f"{wl} {a:.2f} / {b:.2f} ({ns}, {nm}, {npl})" for wl, (a, b, ns, nm, npl) in res.items()))
         return 0
 
     if args.store_cost:
