@@ -220,9 +220,10 @@ class _DeferredDraft(Stage):
 
     Sampled sequences begin at once, exactly as ``Pipeline.run`` (their draft's bits are part of their sample).
     A greedy sequence begins when it first drafts, with every committed token but the pending one prefilled
-    (batched, as a prompt). After steps it did not draft, a same-tokenizer draft catches up the same way, in one
-    batched prefill rather than as the rows of a draft step; a cross-tokenizer draft feeds what it missed
-    itself. Greedy output never depends on the draft's bits, only on the target's.
+    (batched, as a prompt). After steps it did not draft, its draft catches up the same way, in one batched
+    prefill rather than as the rows of a draft step (``ModelDrafter.catch_up``; ``_cross_catch_up`` for a
+    cross-tokenizer draft, in the draft's own tokens). Greedy output never depends on the draft's bits, only on
+    the target's.
     """
 
     def __init__(self, inner: Stage):
@@ -247,8 +248,16 @@ class _DeferredDraft(Stage):
                 return
             self.inner.begin(state)
             sc["begun"] = True
-        elif state.num_draft > 0 and state.params.greedy and not self._cross:
-            self.inner.catch_up(state)
+            if self._cross:  # its begin feeds the prompt only; the tokens committed since are behind
+                _cross_catch_up(self.inner, state)
+        elif state.num_draft > 0 and state.params.greedy:
+            if not self._cross:
+                self.inner.catch_up(state)
+            elif not sc.get("drafted", True):
+                # only after a plain step: after a drafting step the few tokens behind (the bonus token, in the
+                # draft's tokens) share the batched draft forward better than they would make a prefill of their own
+                _cross_catch_up(self.inner, state)
+        sc["drafted"] = state.num_draft > 0
         self.inner.run(state)
 
     def _empty(self, state) -> None:
@@ -269,6 +278,37 @@ class _DeferredDraft(Stage):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def _cross_catch_up(drafter, state) -> None:
+    """``ModelDrafter.catch_up`` for a ``CrossVocabDrafter``: feed the draft tokens its cache lacks (all but the
+    last of the committed text in the draft's tokens) as one batched prefill, where its run would feed them as the
+    rows of its first draft forward, which the CPU's few-row kernels compute a row at a time (and which hold up
+    the batched draft forward every other sequence shares). What the run then does is what it does after a step
+    that drafted: the text is in step, one token to feed. Fewer than two left behind, a beam's last tree (its run
+    keeps the taken path itself), or a cache that cannot grow to hold them: left to the run."""
+    if drafter.beam:
+        return
+    sc = state.scratch(drafter)
+    text, cache = sc.get("text"), sc.get("cache")
+    if text is None or cache is None:
+        return
+    drafter._sync(text, state.tokens)  # what its run does first (then a no-op there)
+    if text.tree is not None:
+        return
+    own, fed = text.own, text.fed
+    common, limit = 0, min(len(fed), len(own) - 1, cache.length)
+    while common < limit and fed[common] == own[common]:
+        common += 1
+    missed = own[common:len(own) - 1]
+    if len(missed) < 2 or drafter._room(state, sc, len(own) + state.num_draft) < len(own):
+        return
+    cache = sc["cache"]
+    cache.truncate(common)
+    del fed[common:]
+    prefill(drafter.model, cache, missed, state.run.device)
+    fed.extend(missed)
+    state.run.draft_forwards += 1
 
 
 def _deferrable(stage) -> bool:

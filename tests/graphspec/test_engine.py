@@ -544,3 +544,35 @@ def test_engine_plans_once_a_step_for_all_sequences(tiny_dirs):
         # one plan per step of the longest (each sequence asking for its own: the sum of their steps)
         assert engine.plans_made == len(policy.seen) <= max(steps) + 1 < sum(steps), (engine.plans_made, steps)
         assert policy.seen[0] == 4, policy.seen
+
+
+def test_cross_tokenizer_drafts_catch_up_in_one_prefill(tiny_dirs, monkeypatch):
+    """A cross-tokenizer draft that begins late or skipped steps is fed what it missed as one batched prefill (in
+    its own tokens), not as the rows of its next draft forward: against the same runs without that catch-up, the
+    draft's step forwards carry fewer rows and its prefills more. Outputs are Pipeline.run's either way."""
+    import graphspec.engine as engine_module
+
+    pipe = _pipes(tiny_dirs, torch.float32)["cross"]
+    requests = [(p, dict(max_new_tokens=30, ignore_eos=True)) for p in PROMPTS[:5]]
+    alone = [pipe.run(p, **kw) for p, kw in requests]
+
+    def run():
+        engine = Engine(pipe, max_batch=len(requests), policy=_Alternating(CostTable(target={1: 1.0})))
+        rows = {True: 0, False: 0}  # rows of the draft's step forwards (row-exact) and of its prefills
+        execute = engine._batcher._execute
+
+        def recording(chunk):
+            if chunk[0].proxy.name == "draft":
+                rows[chunk[0].key()[2]] += sum(c.rows for c in chunk)
+            return execute(chunk)
+
+        engine._batcher._execute = recording
+        got = [s.result(timeout=120) for s in [engine.submit(p, **kw) for p, kw in requests]]
+        assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+        assert all(r.stats.proposed > 0 for r in got)
+        return rows[True], rows[False]
+
+    steps, prefills = run()
+    monkeypatch.setattr(engine_module, "_cross_catch_up", lambda drafter, state: None)
+    steps_without, prefills_without = run()
+    assert steps < steps_without and prefills > prefills_without, (steps, steps_without, prefills, prefills_without)
