@@ -1,14 +1,16 @@
 """GGUF targets in their own blocks against llama.cpp on the very same file, one command:
 
     .venv/bin/python perf/quantized.py --threads 1 2              # Qwen2.5-Coder-1.5B Q4_K_M, 128 tokens
-    .venv/bin/python perf/quantized.py --threads 1 --tokens 64 --prompts 1
+    .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft int8 --k 3
 
 For each thread count, in one run: llama.cpp's ``llama-bench`` tg<n> on the zoo's GGUF file itself (no
 requantization; perf/llamacpp.py builds it), graphspec's plain decoding of the same file with
-``weights="gguf"`` (the same code path as speculation, no draft), and graphspec's speculative decoding with
-the zoo's 0.5B GGUF as the draft (also in its blocks), greedy, ``ignore_eos``. Reported: tokens/s, the ratios
+``weights="gguf"`` (the GGUF's exact model: fp32 activations) and ``weights="gguf-a8"`` (the k-quants on int8
+activations, llama.cpp's arithmetic), each through the same code path as speculation with no draft, and
+graphspec's speculative decoding on each with the zoo's 0.5B as the draft (its GGUF in blocks, or
+``--draft int8``: its converted checkpoint with int8 weights), greedy, ``ignore_eos``. Reported: tokens/s, the ratios
 measured in this run, and the bandwidth graphspec's plain decoding reached for the bytes a step reads (its
-GEMM weights: every layer's and the lm_head). One JSON line per thread count is appended to
+GEMM weights: every layer's and the lm_head). One JSON line per thread count and weights is appended to
 perf/quantized.jsonl with the machine it ran on.
 """
 
@@ -54,6 +56,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=1, help="how many of perf/prompts.json (default 1)")
     ap.add_argument("--k", type=int, default=5, help="draft tokens a step for the speculative run")
+    ap.add_argument("--weights", nargs="+", default=["gguf", "gguf-a8"], choices=["gguf", "gguf-a8"],
+                    help="the target's weights: gguf (fp32 activations, the GGUF's exact model) and/or gguf-a8 "
+                         "(the k-quants on int8 activations, as llama.cpp computes)")
+    ap.add_argument("--draft", default="gguf", choices=["gguf", "int8", "none"],
+                    help="the 0.5B draft: its GGUF in blocks (gguf, with the target's --weights), the converted "
+                         "checkpoint with int8 weights (int8), or no speculative run (none)")
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--no-llamacpp", action="store_true")
     args = ap.parse_args(argv)
@@ -65,9 +73,15 @@ def main(argv=None) -> int:
     from graphspec.models.gguf_weights import gguf_file_for, weight_bytes
     from perf._common import machine_info
 
-    target = load_model(TARGET, weights="gguf")
-    draft = load_model(DRAFT, weights="gguf")
-    step_bytes = weight_bytes(target)
+    targets = {w: load_model(TARGET, weights=w) for w in args.weights}
+    drafts = {}
+    for w in args.weights:
+        if args.draft == "gguf":
+            drafts[w] = load_model(DRAFT, weights=w)
+        elif args.draft == "int8":
+            drafts[w] = drafts.get("int8") or load_model(DRAFT, quantize="int8")
+            drafts["int8"] = drafts[w]
+    step_bytes = weight_bytes(next(iter(targets.values())))
     prompts = _prompts(args.prompts)
     bin_dir = None
     if not args.no_llamacpp:
@@ -76,34 +90,43 @@ def main(argv=None) -> int:
         bin_dir = llamacpp.build()
     for threads in args.threads:
         torch.set_num_threads(threads)
-        row = {"target": TARGET, "file": gguf_file_for(TARGET).name, "threads": threads, "tokens": args.tokens,
-               "prompts": len(prompts), "k": args.k, "step_bytes": step_bytes, "machine": machine_info()}
+        lc = None
         if bin_dir is not None:
             lc = llamacpp.bench(bin_dir, gguf_file_for(TARGET), threads, n=args.tokens, reps=args.reps)
-            row["llamacpp_tg"] = {k: lc[k] for k in ("tokens_per_second", "stddev", "build_commit", "model_type")}
-        t0 = time.time()
-        ar = _decode(graphspec.Pipeline(target), prompts, args.tokens)
-        spec = _decode(graphspec.Pipeline(target, draft=draft, num_speculative_tokens=args.k), prompts, args.tokens)
-        row["seconds"] = time.time() - t0
-        row["graphspec_ar"] = {k: v for k, v in ar.items() if k != "token_ids"}
-        row["graphspec_spec"] = {k: v for k, v in spec.items() if k != "token_ids"}
-        row["identical_tokens"] = ar["token_ids"] == spec["token_ids"]
-        row["ar_gbps"] = step_bytes * ar["tokens_per_second"] / 1e9
-        row["spec_vs_ar"] = spec["tokens_per_second"] / ar["tokens_per_second"]
-        if "llamacpp_tg" in row:
-            lc_tps = row["llamacpp_tg"]["tokens_per_second"]
-            row["ar_vs_llamacpp"] = ar["tokens_per_second"] / lc_tps
-            row["spec_vs_llamacpp"] = spec["tokens_per_second"] / lc_tps
-        with OUT.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        lc_txt = (f"llama.cpp tg{args.tokens} {row['llamacpp_tg']['tokens_per_second']:.2f} tok/s | "
-                  if "llamacpp_tg" in row else "")
-        print(f"{threads} thread(s): {lc_txt}graphspec gguf AR {ar['tokens_per_second']:.2f} tok/s "
-              f"({row['ar_gbps']:.1f} GB/s of {step_bytes / 1e9:.2f} GB a step) | spec K={args.k} "
-              f"{spec['tokens_per_second']:.2f} tok/s (x{row['spec_vs_ar']:.2f} AR, acceptance "
-              f"{spec['acceptance']:.2f}) | identical tokens: {row['identical_tokens']}"
-              + (f" | AR/llama.cpp {row['ar_vs_llamacpp']:.2f}, spec/llama.cpp {row['spec_vs_llamacpp']:.2f}"
-                 if "llamacpp_tg" in row else ""), flush=True)
+            lc = {k: lc[k] for k in ("tokens_per_second", "stddev", "build_commit", "model_type")}
+            print(f"{threads} thread(s): llama.cpp tg{args.tokens} {lc['tokens_per_second']:.2f} tok/s", flush=True)
+        for w, target in targets.items():
+            row = {"target": TARGET, "file": gguf_file_for(TARGET).name, "weights": w, "threads": threads,
+                   "tokens": args.tokens, "prompts": len(prompts), "k": args.k, "step_bytes": step_bytes,
+                   "machine": machine_info()}
+            if lc is not None:
+                row["llamacpp_tg"] = lc
+            t0 = time.time()
+            ar = _decode(graphspec.Pipeline(target), prompts, args.tokens)
+            row["graphspec_ar"] = {k: v for k, v in ar.items() if k != "token_ids"}
+            row["ar_gbps"] = step_bytes * ar["tokens_per_second"] / 1e9
+            line = (f"{threads} thread(s), {w}: AR {ar['tokens_per_second']:.2f} tok/s ({row['ar_gbps']:.1f} GB/s of "
+                    f"{step_bytes / 1e9:.2f} GB a step)")
+            if args.draft != "none":
+                row["draft"] = f"{DRAFT} {'int8' if args.draft == 'int8' else w}"
+                pipe = graphspec.Pipeline(target, draft=drafts[w], num_speculative_tokens=args.k)
+                spec = _decode(pipe, prompts, args.tokens)
+                row["graphspec_spec"] = {k: v for k, v in spec.items() if k != "token_ids"}
+                row["identical_tokens"] = ar["token_ids"] == spec["token_ids"]
+                row["spec_vs_ar"] = spec["tokens_per_second"] / ar["tokens_per_second"]
+                line += (f" | spec K={args.k} ({row['draft']} draft) {spec['tokens_per_second']:.2f} tok/s "
+                         f"(x{row['spec_vs_ar']:.2f} AR, acceptance {spec['acceptance']:.2f}) | identical tokens: "
+                         f"{row['identical_tokens']}")
+            row["seconds"] = time.time() - t0
+            if lc is not None:
+                row["ar_vs_llamacpp"] = ar["tokens_per_second"] / lc["tokens_per_second"]
+                line += f" | AR/llama.cpp {row['ar_vs_llamacpp']:.2f}"
+                if "graphspec_spec" in row:
+                    row["spec_vs_llamacpp"] = row["graphspec_spec"]["tokens_per_second"] / lc["tokens_per_second"]
+                    line += f", spec/llama.cpp {row['spec_vs_llamacpp']:.2f}"
+            with OUT.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(line, flush=True)
     print(f"appended to {OUT}")
     return 0
 

@@ -747,6 +747,8 @@ void row_dot_a8(const uint8_t* __restrict row, const XA8& a, int64_t k, const in
   const int64_t nsb = k / 256;
   F32V acc[M];
   F8V mins[M];
+  const int8_t* xq[M];
+  for (int m = 0; m < M; ++m) xq[m] = a.q.data() + rows[m] * k;
   for (int m = 0; m < M; ++m) {
     acc[m] = f32_zero();
     mins[m] = f8_zero();
@@ -783,13 +785,15 @@ void row_dot_a8(const uint8_t* __restrict row, const XA8& a, int64_t k, const in
         for (int u = 0; u < 4; ++u) w[u] = or8(w[u], high_bits(p + 16, kUnitK[u][0], kUnitK[u][1], 1));
       unit_scales<T>(f, sc);
     }
+    // unit by unit over the rows, so that the rows' independent chains sit side by side for the scheduler
+    I32V s[M];
+    for (int m = 0; m < M; ++m) s[m] = i32_zero();
+    for (int u = 0; u < 4; ++u)
+      for (int m = 0; m < M; ++m) s[m] = dpwssd(s[m], maddubs(w[u], xq[m] + b * 256 + 64 * u), sc[u]);
     for (int m = 0; m < M; ++m) {
       const int64_t r = rows[m];
-      const int8_t* xq = a.q.data() + r * k + b * 256;
-      I32V s = i32_zero();
-      for (int u = 0; u < 4; ++u) s = dpwssd(s, maddubs(w[u], xq + 64 * u), sc[u]);
-      if constexpr (T == Q6_K) s = sub_offset(s, sc6, a.xs.data() + (r * nsb + b) * 16);
-      acc[m] = fma_cvt(s, d * a.dx[r * nsb + b], acc[m]);
+      if constexpr (T == Q6_K) s[m] = sub_offset(s[m], sc6, a.xs.data() + (r * nsb + b) * 16);
+      acc[m] = fma_cvt(s[m], d * a.dx[r * nsb + b], acc[m]);
       if constexpr (T != Q6_K) mins[m] = f8_fma(dm, a.mt.data() + (r * nsb + b) * 8, mins[m]);
     }
   }
