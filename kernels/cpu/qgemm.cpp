@@ -497,8 +497,9 @@ constexpr bool in_registers(int) { return false; }
 // with S_b = sum_s sc_s (q_w . q_x)_s (Q6_K: minus 32 sum_g sc_g xsum_g) an exact integer. The only roundings are
 // fp32's in the combination, in one fixed order: S_b is kept as 16 int32 lanes (lane l: the products of bytes
 // 4l .. 4l + 3 of each of the super-block's four 64-weight units; Q6_K's offset term in lanes 0-7), converted
-// and fused-multiply-added with the fp32 product d * dx into 16 fp32 lanes; the mins term in 8 fp32 lanes
-// (lane s); at the end each lane set is added pairwise (8, 4, 2, 1 apart) and the mins sum subtracted. Every
+// and fused-multiply-added with the fp32 product d * dx into 16 fp32 lanes, then (Q4_K / Q5_K) the mins term of
+// sub-block s fused-multiply-subtracted from lane s; at the end the 16 lanes are added pairwise (8, 4, 2, 1
+// apart). Every
 // level computes these same bits (avx512 in zmm, avx2 in pairs of ymm, generic lane by lane).
 //
 // The 64 weights of unit u are unsigned (0..15, 0..31, 0..63) in byte lanes; maddubs (u8 x s8 -> pairs summed in
@@ -724,21 +725,29 @@ inline F32V fma_cvt(I32V a, float t, F32V acc) {
 inline void f32_store(float* p, F32V a) { std::memcpy(p, a.v, 64); }
 #endif
 
-// 8 fp32 lanes: the Q4_K / Q5_K mins term, lane s for sub-block s.
+// 8 fp32 lanes: the Q4_K / Q5_K mins of a super-block, lane s for sub-block s, subtracted from lanes 0-7.
 #ifdef GS_F8_AVX
 struct F8V { __m256 v; };
 GS_INLINE F8V f8_zero() { return {_mm256_setzero_ps()}; }
 GS_INLINE F8V f8_scaled(const uint8_t* m, float d) {  // d * m[s], the mins' bytes
   return {_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)))))};
 }
-GS_INLINE F8V f8_fma(F8V a, const float* b, F8V acc) { return {_mm256_fmadd_ps(a.v, _mm256_loadu_ps(b), acc.v)}; }
-GS_INLINE void f8_store(float* p, F8V a) { _mm256_storeu_ps(p, a.v); }
+// lanes 0-7 of acc minus a * b[0..8) (one rounding each), lanes 8-15 unchanged
+GS_INLINE F32V fnma8(F8V a, const float* b, F32V acc) {
+#if GS_AVX512
+  return {_mm512_mask3_fnmadd_ps(_mm512_castps256_ps512(a.v), _mm512_castps256_ps512(_mm256_loadu_ps(b)), acc.v, 0x00FF)};
+#else
+  return {_mm256_fnmadd_ps(a.v, _mm256_loadu_ps(b), acc.lo), acc.hi};
+#endif
+}
 #else
 struct F8V { float v[8]; };
 inline F8V f8_zero() { return F8V{}; }
 inline F8V f8_scaled(const uint8_t* m, float d) { F8V r; for (int s = 0; s < 8; ++s) r.v[s] = d * static_cast<float>(m[s]); return r; }
-inline F8V f8_fma(F8V a, const float* b, F8V acc) { for (int s = 0; s < 8; ++s) acc.v[s] = std::fma(a.v[s], b[s], acc.v[s]); return acc; }
-inline void f8_store(float* p, F8V a) { std::memcpy(p, a.v, 32); }
+inline F32V fnma8(F8V a, const float* b, F32V acc) {
+  for (int s = 0; s < 8; ++s) acc.v[s] = std::fma(-a.v[s], b[s], acc.v[s]);
+  return acc;
+}
 #endif
 
 // One weight row of a k-quant times M rows of quantized x (see the top of this section).
@@ -746,12 +755,10 @@ template <int T, int M>
 void row_dot_a8(const uint8_t* __restrict row, const XA8& a, int64_t k, const int64_t* rows, float* __restrict out) {
   const int64_t nsb = k / 256;
   F32V acc[M];
-  F8V mins[M];
   const int8_t* xq[M];
-  for (int m = 0; m < M; ++m) xq[m] = a.q.data() + rows[m] * k;
   for (int m = 0; m < M; ++m) {
+    xq[m] = a.q.data() + rows[m] * k;
     acc[m] = f32_zero();
-    mins[m] = f8_zero();
   }
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* p = row + b * kTypeSize[T];
@@ -785,16 +792,24 @@ void row_dot_a8(const uint8_t* __restrict row, const XA8& a, int64_t k, const in
         for (int u = 0; u < 4; ++u) w[u] = or8(w[u], high_bits(p + 16, kUnitK[u][0], kUnitK[u][1], 1));
       unit_scales<T>(f, sc);
     }
-    // unit by unit over the rows, so that the rows' independent chains sit side by side for the scheduler
-    I32V s[M];
-    for (int m = 0; m < M; ++m) s[m] = i32_zero();
-    for (int u = 0; u < 4; ++u)
-      for (int m = 0; m < M; ++m) s[m] = dpwssd(s[m], maddubs(w[u], xq[m] + b * 256 + 64 * u), sc[u]);
-    for (int m = 0; m < M; ++m) {
-      const int64_t r = rows[m];
-      if constexpr (T == Q6_K) s[m] = sub_offset(s[m], sc6, a.xs.data() + (r * nsb + b) * 16);
-      acc[m] = fma_cvt(s[m], d * a.dx[r * nsb + b], acc[m]);
-      if constexpr (T != Q6_K) mins[m] = f8_fma(dm, a.mt.data() + (r * nsb + b) * 8, mins[m]);
+    // up to 4 rows at a time, unit by unit: the rows' independent chains side by side for the scheduler, and
+    // few enough live registers that nothing spills at 8 rows
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      constexpr int kGroup = M < 4 ? M : 4;
+      const int g = M - m0 < kGroup ? M - m0 : kGroup;
+      I32V s[kGroup];
+      for (int i = 0; i < kGroup; ++i) s[i] = i32_zero();
+      for (int u = 0; u < 4; ++u)
+        for (int i = 0; i < kGroup; ++i)
+          if (i < g) s[i] = dpwssd(s[i], maddubs(w[u], xq[m0 + i] + b * 256 + 64 * u), sc[u]);
+      for (int i = 0; i < kGroup; ++i) {
+        if (i >= g) break;
+        const int m = m0 + i;
+        const int64_t r = rows[m];
+        if constexpr (T == Q6_K) s[i] = sub_offset(s[i], sc6, a.xs.data() + (r * nsb + b) * 16);
+        acc[m] = fma_cvt(s[i], d * a.dx[r * nsb + b], acc[m]);
+        if constexpr (T != Q6_K) acc[m] = fnma8(dm, a.mt.data() + (r * nsb + b) * 8, acc[m]);
+      }
     }
   }
   for (int m = 0; m < M; ++m) {
@@ -802,11 +817,7 @@ void row_dot_a8(const uint8_t* __restrict row, const XA8& a, int64_t k, const in
     f32_store(l, acc[m]);
     for (int width = 8; width >= 1; width /= 2)
       for (int i = 0; i < width; ++i) l[i] = l[i] + l[i + width];
-    float mn[8];
-    f8_store(mn, mins[m]);
-    for (int width = 4; width >= 1; width /= 2)
-      for (int i = 0; i < width; ++i) mn[i] = mn[i] + mn[i + width];
-    out[m] = l[0] - mn[0];
+    out[m] = l[0];
   }
 }
 
