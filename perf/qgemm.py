@@ -2,8 +2,10 @@
 
     .venv/bin/python perf/qgemm.py                                   # Q4_K, Q6_K, Q5_0, Q8_0; 1, 2, 4, 6, 8 rows
     .venv/bin/python perf/qgemm.py --types Q4_K --rows 1 6 --shape 17920 1536 --threads 2
+    .venv/bin/python perf/qgemm.py --types Q4_K Q6_K --activations int8      # the a8 GEMMs only
 
-For each format, level and row count: the median of ``--reps`` calls of ``qlinear`` on one random weight of
+For each format (with fp32 activations, and for the k-quants also with int8 ones: "Q4_K a8"), level and row
+count: the median of ``--reps`` calls of ``qlinear`` on one random weight of
 ``--shape`` (N, K), in milliseconds, as weights a second and as bytes a second, beside graphspec's bf16 linear on
 the same shape (the level's, where it has one) and the read bandwidth measured in the same run, all timed
 round-robin so a shared host's drift hits every setting alike. A weight that fits the last-level cache runs from
@@ -35,6 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", type=int, nargs=2, default=[17920, 1536], metavar=("N", "K"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--activations", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"],
+                    help="fp32 (the exact GEMMs) and/or int8 (the k-quants' a8 GEMMs, weights='gguf-a8'); a format "
+                         "without an int8 path is timed with fp32 activations only")
     args = ap.parse_args(argv)
 
     from graphspec.kernels import cpu
@@ -51,7 +56,14 @@ def main(argv=None) -> int:
         ap.error(f"--shape {n} {k}: N must be positive and K a positive multiple of 256 (the k-quants' block)")
     torch.set_num_threads(args.threads)
     levels = [lv for lv in cpu.runnable_levels() if lv != "torch"]
-    weights = {t: BlockWeight(t, torch.from_numpy(random_blocks(t, n, k)), (n, k)) for t in args.types}
+    from graphspec.kernels.qlinear import A8_TYPES
+
+    weights = {}
+    for t in args.types:
+        blocks = torch.from_numpy(random_blocks(t, n, k))
+        for act in args.activations:
+            if act == "fp32" or t in A8_TYPES:
+                weights[t if act == "fp32" else f"{t} a8"] = BlockWeight(t, blocks, (n, k), act)
     dense = torch.randn(n, k).to(torch.bfloat16)
     bf16 = {}
     for lv in levels:
@@ -82,12 +94,12 @@ def main(argv=None) -> int:
 
     rows = []
     print(f"[{n}, {k}], {args.threads} thread(s); read bandwidth {bandwidth['gbps_median']:.1f} GB/s")
-    print(f"{'kernel':<12} {'level':<7} {'rows':>4} {'ms':>8} {'Gweights/s':>11} {'GB/s':>6}")
+    print(f"{'kernel':<13} {'level':<7} {'rows':>4} {'ms':>8} {'Gweights/s':>11} {'GB/s':>6}")
     for i, (label, lv, m, nbytes, _) in enumerate(cases):
         med = statistics.median(times[i])
         rows.append({"kernel": label, "level": lv, "rows": m, "ms": med * 1e3, "gweights_per_s": n * k / med / 1e9,
                      "gbytes_per_s": nbytes / med / 1e9})
-        print(f"{label:<12} {lv:<7} {m:>4} {med * 1e3:>8.3f} {n * k / med / 1e9:>11.1f} {nbytes / med / 1e9:>6.1f}")
+        print(f"{label:<13} {lv:<7} {m:>4} {med * 1e3:>8.3f} {n * k / med / 1e9:>11.1f} {nbytes / med / 1e9:>6.1f}")
     record = {"shape": [n, k], "threads": args.threads, "reps": args.reps, "read_bandwidth": bandwidth,
               "machine": machine_info(), "results": rows}
     with OUT.open("a") as f:
