@@ -4,14 +4,14 @@ Two figures, both with the cost table a serve_bench run measured on the real pai
 JSON), at which the policy drafts nothing from 4 streams on:
 
 - ``plan``: the policy's planning alone, as the engine does it per step for N running greedy sequences (their
-  acceptance views, then ``plan``), and the old way for comparison (each of the N worker threads planning for
-  all N: N plans a step).
+  acceptance views, then ``plan``), and N times that: what a step cost when each of the N worker threads made
+  its own plan for all N (the engine before 6795377, whose plan also lacked the ``may_draft`` bound).
 - ``engine``: seconds per engine step of N streams on a tiny checkpoint pair (forwards of well under a
   millisecond, so the Python work of a step is most of it), plain (no draft) against the draft pipeline under the
   policy, rounds interleaved; the difference is the policy path's Python cost per step. With the real 1.5B
   target a step of 16 streams takes about 0.6 s.
 
-    python perf/policy_overhead.py --costs perf/serve_bench-20261203-qwen0.5b-3.json --streams 16
+    python perf/policy_overhead.py --costs perf/serve_bench-20261203-qwen0.5b-3.json --streams 16 --vocab 151936
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ def time_plan(costs, n: int, k: int = 5, repeats: int = 300) -> dict:
     for _ in range(repeats):
         step()
     once = (time.perf_counter() - t0) / repeats
-    return {"streams": n, "ks": ks, "plan_once_us": 1e6 * once, "plan_per_thread_us": 1e6 * once * n}
+    return {"streams": n, "ks": ks, "plan_once_us": 1e6 * once, "n_plans_us": 1e6 * once * n}
 
 
-def tiny_pair():
-    """The engine tests' tiny target and draft (tests/graphspec/conftest.py), written to a temporary folder."""
+def tiny_pair(vocab_size: int | None = None):
+    """The engine tests' tiny target and draft (tests/graphspec/conftest.py), written to a temporary folder;
+    ``vocab_size``: their embedding padded to it (Qwen's 151936 makes the per-step work on logits real-sized)."""
     import contextlib
     import io
 
@@ -67,9 +68,9 @@ def tiny_pair():
     root = Path(tempfile.mkdtemp(prefix="policy_overhead-"))
     with contextlib.redirect_stderr(io.StringIO()):
         t = make_checkpoint(root / "t", "qwen2", hidden_size=96, layers=2, heads=6, kv_heads=2, seed=0,
-                            chat_template="chatml")
+                            chat_template="chatml", vocab_size=vocab_size)
         d = make_checkpoint(root / "d", "qwen2", hidden_size=64, layers=1, heads=4, kv_heads=2, seed=1,
-                            chat_template="chatml")
+                            chat_template="chatml", vocab_size=vocab_size)
     return graphspec.load_model(t), graphspec.load_model(d)
 
 
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--vocab", type=int, default=None, help="pad the tiny models' vocabulary to this (151936: Qwen's)")
     args = ap.parse_args(argv)
     import torch
 
@@ -117,9 +119,9 @@ def main(argv=None) -> int:
     print(f"load {os.getloadavg()[0]:.2f}", file=sys.stderr)
     for n in args.streams:
         p = time_plan(costs, n)
-        print(f"N={n:<3} plan once {p['plan_once_us']:8.1f} us/step   per thread (N plans) "
-              f"{p['plan_per_thread_us']:8.1f} us/step   ks {p['ks']}")
-    pair = tiny_pair()
+        print(f"N={n:<3} plan once {p['plan_once_us']:8.1f} us/step   N plans of this kind "
+              f"{p['n_plans_us']:8.1f} us/step   ks {p['ks']}")
+    pair = tiny_pair(args.vocab)
     for n in args.streams:
         e = time_engine(costs, pair, n, args.tokens, args.rounds)
         print(f"N={n:<3} engine step ms, median of {args.rounds}: plain {e['step_ms_median']['plain']:.2f}  "

@@ -9,11 +9,14 @@ second over the level's wall time, time to first token and time per output token
 tokens per target forward, then whether every output equals the plain configuration's (it must: greedy). Each
 configuration first runs its concurrency-1 requests through ``Pipeline.run`` alone, the figure serving at
 concurrency 1 is compared with (``x_pipeline_run``). The configurations' servers run side by side and the levels
-are interleaved (every configuration at N before any at the next N), so host drift falls on all alike; each
+are interleaved (every configuration at N before any at the next N), so host drift falls on all alike; with
+``--repeats R`` every level runs R rounds, each configuration once a round, and ``summary`` gives each cell's
+median, min, max and spread over its rounds (the run-to-run noise) and its ratio to plain of the same round. Each
 level records the 1-minute load average at its end, and the report the policy's measured cost table.
 
     python perf/serve_bench.py --threads 2                     # 1.5B target, 0.5B draft, N = 1 2 4 8 16
     python perf/serve_bench.py --draft smollm2-135m-instruct --concurrency 1 4 --max-tokens 64
+    python perf/serve_bench.py --configs plain policy --repeats 3    # noise: three rounds of every cell
 
 Writes perf/results/serve_bench-<date>.json (``--out``) and a plot (``--plot``, default docs/img/serve.png).
 """
@@ -110,6 +113,27 @@ def _pipeline(config: str, target, draft, k: int):
     return graphspec.Pipeline(target, draft, num_speculative_tokens=k)
 
 
+def summarize(report: dict) -> dict:
+    """Per configuration and N: tokens/s of the repeated cells (median, min, max), their spread ((max - min) /
+    median: the run-to-run noise), and the ratio to plain in the same round (median, min, max)."""
+    out: dict = {}
+    for config, levels in report["results"].items():
+        for n in sorted({lv["concurrency"] for lv in levels}):
+            cells = [lv for lv in levels if lv["concurrency"] == n]
+            tps = [lv["tokens_per_second"] for lv in cells]
+            med = statistics.median(tps)
+            row = {"tokens_per_second_median": med, "min": min(tps), "max": max(tps), "cells": len(tps),
+                   "spread": (max(tps) - min(tps)) / med if med else None,
+                   "tpot_p50_median": statistics.median([lv["tpot_p50"] for lv in cells if lv["tpot_p50"]] or [0.0]),
+                   "proposed_any": any(lv["acceptance"] is not None for lv in cells)}
+            xs = [lv["x_plain"] for lv in cells if "x_plain" in lv]
+            if xs:
+                row.update(x_plain_median=statistics.median(xs), x_plain_min=min(xs), x_plain_max=max(xs),
+                           same_text_as_plain=all(lv["same_text_as_plain"] for lv in cells))
+            out.setdefault(config, {})[str(n)] = row
+    return out
+
+
 def plot(report: dict, path: Path) -> Path:
     import matplotlib
 
@@ -117,10 +141,10 @@ def plot(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for config, levels in report["results"].items():
-        xs = [lv["concurrency"] for lv in levels]
-        a.plot(xs, [lv["tokens_per_second"] for lv in levels], marker="o", label=config)
-        b.plot(xs, [1000 * (lv["tpot_p50"] or 0) for lv in levels], marker="o", label=config)
+    for config, cells in summarize(report).items():  # the median of repeated cells
+        xs = sorted(cells, key=int)
+        a.plot([int(n) for n in xs], [cells[n]["tokens_per_second_median"] for n in xs], marker="o", label=config)
+        b.plot([int(n) for n in xs], [1000 * cells[n]["tpot_p50_median"] for n in xs], marker="o", label=config)
     for ax, title in ((a, "throughput (output tok/s)"), (b, "time per output token, p50 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
@@ -147,6 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: the concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every level (their spread is the noise)")
     ap.add_argument("--out", default=f"serve_bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     ap.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" / "img" / "serve.png"))
     args = ap.parse_args(argv)
@@ -190,33 +215,43 @@ def main(argv=None) -> int:
         urls = {c: servers.enter_context(background(e, "bench")) for c, e in engines.items()}
         # Levels interleaved: every configuration at N before any at the next N (the order rotating with N), so
         # that a shared host's drift between levels falls on all configurations alike.
-        for j, n in enumerate(args.concurrency):
-            for config in args.configs[j % len(args.configs):] + args.configs[:j % len(args.configs)]:
-                lv = asyncio.run(_level(urls[config], "bench", prompts, n, args.requests or n, args.max_tokens))
-                lv["loadavg_1min"] = os.getloadavg()[0]
-                report["results"][config].append(lv)
-                print(f"{config:>7} N={n:<3} {lv['tokens_per_second']:7.2f} tok/s  ttft p50 {lv['ttft_p50']:.2f} s  "
-                      f"tpot p50 {1000 * (lv['tpot_p50'] or 0):.0f} ms  acceptance {lv['acceptance']}  "
-                      f"tokens/forward {lv['tokens_per_target_forward']}  load {lv['loadavg_1min']:.2f}",
-                      file=sys.stderr, flush=True)
+        # With --repeats R each level runs R times, every configuration once per round (the order rotating), so
+        # that the spread of a configuration's repeated cells is the run-to-run noise its ratios are read against.
+        turn = 0
+        for n in args.concurrency:
+            for rep in range(args.repeats):
+                order = args.configs[turn % len(args.configs):] + args.configs[:turn % len(args.configs)]
+                turn += 1
+                for config in order:
+                    lv = asyncio.run(_level(urls[config], "bench", prompts, n, args.requests or n, args.max_tokens))
+                    lv["loadavg_1min"] = os.getloadavg()[0]
+                    lv["repeat"] = rep
+                    report["results"][config].append(lv)
+                    print(f"{config:>7} N={n:<3} #{rep} {lv['tokens_per_second']:7.2f} tok/s  ttft p50 "
+                          f"{lv['ttft_p50']:.2f} s  tpot p50 {1000 * (lv['tpot_p50'] or 0):.0f} ms  acceptance "
+                          f"{lv['acceptance']}  tokens/forward {lv['tokens_per_target_forward']}  "
+                          f"load {lv['loadavg_1min']:.2f}", file=sys.stderr, flush=True)
     for config, levels in report["results"].items():
         for lv in levels:
             if lv["concurrency"] == 1:
                 lv["x_pipeline_run"] = lv["tokens_per_second"] / report["pipeline_run"][config]
-    base = {lv["concurrency"]: lv for lv in report["results"].get("plain", [])}
+    base = {(lv["concurrency"], lv.get("repeat", 0)): lv for lv in report["results"].get("plain", [])}
     for config, levels in report["results"].items():
         for lv in levels:
-            ref = base.get(lv["concurrency"])
-            if ref is not None:
+            ref = base.get((lv["concurrency"], lv.get("repeat", 0)))
+            if ref is not None:  # against plain in the same round
                 lv["x_plain"] = lv["tokens_per_second"] / ref["tokens_per_second"]
                 lv["same_text_as_plain"] = lv["texts"] == ref["texts"]
+    report["summary"] = summarize(report)
     save_json(out, report)
     if args.plot:
         plot(report, Path(args.plot))
     print(f"wrote {out}" + (f" and {args.plot}" if args.plot else ""), file=sys.stderr)
-    for config, levels in report["results"].items():
-        print(config, " ".join(f"N={lv['concurrency']}:{lv['tokens_per_second']:.2f}"
-                               + (f"({lv['x_plain']:.2f}x)" if "x_plain" in lv else "") for lv in levels))
+    for config, cells in report["summary"].items():
+        print(config, " ".join(
+            f"N={n}:{c['tokens_per_second_median']:.2f}[{c['min']:.2f}-{c['max']:.2f}, spread {100 * c['spread']:.0f}%]"
+            + (f"({c['x_plain_median']:.2f}x, {c['x_plain_min']:.2f}-{c['x_plain_max']:.2f})" if "x_plain_median" in c
+               else "") for n, c in cells.items()))
     return 0
 
 
