@@ -902,59 +902,43 @@ using RunFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, 
 constexpr RunFn kRun[kNumTypes] = {run<F32>, run<F16>, run<BF16>, run<Q4_0>, run<Q4_1>, run<Q5_0>,
                                    run<Q5_1>, run<Q8_0>, run<Q4_K>, run<Q5_K>, run<Q6_K>};
 
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n, int64_t k,
-                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(type >= 0 && type < kNumTypes, "qlinear: unknown block type ", type);
+// The a8 GEMMs by block type; nullptr where a format has none.
+constexpr RunFn kRunA8[kNumTypes] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                      run_a8<Q4_K>, run_a8<Q5_K>, run_a8<Q6_K>};
+
+// Both ops: check the arguments (naming the op), then run y = x w^T (+ bias) with `run` of the block type.
+at::Tensor checked_run(const char* op, const RunFn* runs, const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                       int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(type >= 0 && type < kNumTypes, op, ": unknown block type ", type);
+  TORCH_CHECK(runs[type] != nullptr, op, ": int8 activations run Q4_K, Q5_K and Q6_K weights, got block type ", type);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   x.device().is_cpu(),
-              "qlinear: x must be a contiguous CPU float32 [M, ", k, "] tensor, got ", x.sizes());
-  TORCH_CHECK(k % kBlockSize[type] == 0, "qlinear: K=", k, " is not a multiple of the block size ",
-              kBlockSize[type]);
+              op, ": x must be a contiguous CPU float32 [M, ", k, "] tensor, got ", x.sizes());
+  TORCH_CHECK(k % kBlockSize[type] == 0, op, ": K=", k, " is not a multiple of the block size ", kBlockSize[type]);
+  const int64_t nbytes = n * (k / kBlockSize[type]) * kTypeSize[type];
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu() &&
-                  blocks.numel() == n * (k / kBlockSize[type]) * kTypeSize[type],
-              "qlinear: blocks must be a contiguous CPU uint8 tensor of ", n * (k / kBlockSize[type]) * kTypeSize[type],
-              " bytes for a [", n, ", ", k, "] weight");
+                  blocks.numel() == nbytes,
+              op, ": blocks must be a contiguous CPU uint8 tensor of ", nbytes, " bytes for a [", n, ", ", k, "] weight");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "qlinear: bias must be a contiguous float32 [", n, "] tensor");
+                op, ": bias must be a contiguous float32 [", n, "] tensor");
     b = bias->data_ptr<float>();
   }
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
-  if (m > 0 && n > 0) kRun[type](x.data_ptr<float>(), m, k, blocks.data_ptr<uint8_t>(), n, b, y.data_ptr<float>());
+  if (m > 0 && n > 0) runs[type](x.data_ptr<float>(), m, k, blocks.data_ptr<uint8_t>(), n, b, y.data_ptr<float>());
   return y;
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n, int64_t k,
+                   const c10::optional<at::Tensor>& bias) {
+  return checked_run("qlinear", kRun, x, blocks, type, n, k, bias);
 }
 
 at::Tensor qlinear_a8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n, int64_t k,
                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K, "qlinear_a8: int8 activations run Q4_K, Q5_K and Q6_K "
-              "weights, got block type ", type);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "qlinear_a8: x must be a contiguous CPU float32 [M, ", k, "] tensor, got ", x.sizes());
-  TORCH_CHECK(k % 256 == 0, "qlinear_a8: K=", k, " is not a multiple of 256");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu() &&
-                  blocks.numel() == n * (k / 256) * kTypeSize[type],
-              "qlinear_a8: blocks must be a contiguous CPU uint8 tensor of ", n * (k / 256) * kTypeSize[type],
-              " bytes for a [", n, ", ", k, "] weight");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "qlinear_a8: bias must be a contiguous float32 [", n, "] tensor");
-    b = bias->data_ptr<float>();
-  }
-  const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m > 0 && n > 0) {
-    const float* xp = x.data_ptr<float>();
-    const uint8_t* wp = blocks.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
-    if (type == Q4_K) run_a8<Q4_K>(xp, m, k, wp, n, b, yp);
-    else if (type == Q5_K) run_a8<Q5_K>(xp, m, k, wp, n, b, yp);
-    else run_a8<Q6_K>(xp, m, k, wp, n, b, yp);
-  }
-  return y;
+  return checked_run("qlinear_a8", kRunA8, x, blocks, type, n, k, bias);
 }
 
 std::string level_name() { return GS_LEVEL_NAME; }

@@ -59,8 +59,11 @@ def test_qgemm_float_tensors_take_any_k(level, type_name):
 @pytest.mark.parametrize("type_name", TYPES)
 def test_qgemm_rows_are_exact_whatever_the_row_count_and_threads(level, type_name):
     n, k = 29, _k(type_name, 2)
-    w = _weight(type_name, n, k)
-    x = torch.randn(13, k, device="cpu")
+    _check_rows_exact(level, type_name, _weight(type_name, n, k), torch.randn(13, k, device="cpu"))
+
+
+def _check_rows_exact(level, type_name, w, x):
+    """A row's bits alone, inside every block of 1..8 rows and inside all 13, with 1 or 2 threads."""
     alone = torch.cat([qlinear(x[i:i + 1], w) for i in range(13)])
     for m in range(1, 9):
         for start in (0, 13 - m):
@@ -155,21 +158,7 @@ def test_a8_rounds_ties_to_even(level, type_name):
 
 @pytest.mark.parametrize("type_name", A8)
 def test_a8_rows_are_exact_whatever_the_row_count_and_threads(level, type_name):
-    n, k = 29, 512
-    w = _a8_weight(type_name, n, k)
-    x = _with_outliers(13, k, seed=1)
-    alone = torch.cat([qlinear(x[i:i + 1], w) for i in range(13)])
-    for m in range(1, 9):
-        for start in (0, 13 - m):
-            assert torch.equal(qlinear(x[start:start + m], w), alone[start:start + m]), (level, type_name, m)
-    assert torch.equal(qlinear(x, w), alone)
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            assert torch.equal(qlinear(x[:5], w), alone[:5]), (level, type_name, t)
-    finally:
-        torch.set_num_threads(threads)
+    _check_rows_exact(level, type_name, _a8_weight(type_name, 29, 512), _with_outliers(13, 512, seed=1))
 
 
 @pytest.mark.skipif(len(C_LEVELS) < 2, reason="needs a CPU that executes two C++ levels")
