@@ -251,7 +251,9 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
     token of the draft's prefill ``prefill_cost`` draft forwards. The model draft's prefills are paid as the
     library pays them: the prompt at the start for ``model``; for the hybrids, the committed tokens its cache
     lacks (two or more) before each model step. ``hybrid`` is the rule without that cost in it (until
-    2026-12-03, 12:00 UTC), ``catch-up`` the rule with it (which may also take plain steps)."""
+    2026-12-03, 12:00 UTC), ``catch-up`` the rule with it (which may also take plain steps), ``catch-up/share``
+    a variant not in the library: the catch-up spread over the tokens left times the share of the committed
+    tokens that model steps produced so far (prior 1/2 of 6 tokens), not over all the tokens left."""
     from graphspec.suffix import HybridDrafter
 
     res = {}
@@ -262,6 +264,7 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
         hybrid.measured = {"suffix_score": 0.0, "suffix_accepted": 0, "model_steps": 0, "model_tokens": 0,
                            "model_forwards": 0}
         tokens = steps = forwards = n_suffix = n_model = n_plain = prefilled = 0
+        life_tokens = life_model = 0  # committed tokens, and those model steps produced (catch-up/share)
         for req in reqs:
             request = dict.fromkeys(hybrid.measured, 0)
             pos, n = 1, req["n"]
@@ -273,6 +276,8 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                 behind = plen + pos - 1 - fed  # the committed tokens but the pending one, less those fed
                 behind = behind if behind >= 2 else 0
                 remaining = max_new - pos
+                if rule == "catch-up/share":
+                    remaining = max(1, round(remaining * (life_model + 3) / (life_tokens + 6)))
                 if rule == "previous":  # its model draft was a chain
                     m_got = chain_got
                 if rule == "suffix":
@@ -303,6 +308,8 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                 n_suffix += kind == "suffix"
                 n_model += kind == "model"
                 n_plain += kind == "plain"
+                life_tokens += got + 1
+                life_model += got + 1 if kind == "model" else 0
                 forwards += fw if kind == "model" else 0
                 pos += got + 1
                 steps += 1
@@ -393,7 +400,7 @@ def main(argv=None) -> int:
             f"forwards; per workload: tokens per target forward / tokens per unit of time, draft prefills counted "
             "(suffix steps, model steps, plain steps)")
         for cost in args.draft_cost:
-            for rule in ("suffix", "model", "previous", "hybrid", "catch-up"):
+            for rule in ("suffix", "model", "previous", "hybrid", "catch-up", "catch-up/share"):
                 res = replay_hybrid(positions, rule, cost, K["hybrid"], prefill_cost, max_new)
                 log(f"draft_cost {cost} {rule:8s} " + "  ".join(
                     f"{wl} {a:.2f} / {b:.2f} ({ns}, {nm}, {npl})" for wl, (a, b, ns, nm, npl) in res.items()))
