@@ -58,9 +58,11 @@ _FLAGS = {
 
 KERNELS = {
     "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward",
-               "GGUF block GEMMs (FMA)"),
-    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)"),
-    "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward", "GGUF block GEMMs (scalar)"),
+               "GGUF block GEMMs (FMA)", "GGUF k-quants on int8 activations (vpmaddubsw + vpdpwssd)"),
+    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)",
+             "GGUF k-quants on int8 activations (vpmaddubsw + vpmaddwd)"),
+    "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward", "GGUF block GEMMs (scalar)",
+                "GGUF k-quants on int8 activations (scalar)"),
     "torch": (),
 }
 """Which C++ kernels each level runs; everything else takes the op's torch path."""
