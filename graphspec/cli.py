@@ -257,7 +257,9 @@ def auto_dtype(device):
 
 
 def _gguf(path_or_name: str, weights: str) -> bool:
-    return weights in ("gguf", "gguf-a8") or str(path_or_name).endswith(".gguf")
+    from graphspec.models.loader import GGUF_WEIGHTS
+
+    return weights in GGUF_WEIGHTS or str(path_or_name).endswith(".gguf")
 
 
 def _load(path_or_name: str, what: str, dtype, device, quantize=None, weights: str = "checkpoint"):

@@ -83,8 +83,9 @@ def build_graph(verify: Stage, drafter: Stage | None = None, acceptance: Stage |
 
 def _gguf_weights(model_or_path, weights) -> bool:
     """Whether a model the pipeline loads keeps GGUF block weights (asked for, or a .gguf file)."""
-    return weights in ("gguf", "gguf-a8") or (isinstance(model_or_path, (str, Path))
-                                              and str(model_or_path).endswith(".gguf"))
+    from graphspec.models.loader import GGUF_WEIGHTS
+
+    return weights in GGUF_WEIGHTS or (isinstance(model_or_path, (str, Path)) and str(model_or_path).endswith(".gguf"))
 
 
 def _load(model_or_path, what: str, dtype, device, backend, quantize=None, weights=None):
