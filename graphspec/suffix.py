@@ -32,14 +32,17 @@
   per unit of time. A suffix step costs one verify and no draft forward: it yields 1 + its tree's score,
   calibrated by how far the trees built so far agreed with the tokens then committed (every step's tree,
   the ones not proposed too, so that a few early misses cannot rule suffix trees out for good). A model
-  step costs one verify plus its draft forwards (``draft_cost`` of a verify each): it yields the tokens
-  model steps yielded so far. Both are measured over the drafter's life (across requests, as the store
+  step costs one verify plus its draft forwards (``draft_cost`` of a verify each: in greedy runs measured once
+  per draft model, target and thread count by ``measure_draft_cost``, a one-token draft forward timed against a
+  verify of K + 1 rows): it yields the tokens model steps yielded so far. Both are measured over the drafter's life (across requests, as the store
   learns across them). The model draft
   (any model drafter, with the target's tokenizer or another: the suffix structure is in the target's
   tokens) is prefilled only when it first drafts, so a request that suffix trees serve throughout never
   pays for it. In greedy runs a model step also pays its share of that catch-up prefill (the committed
   tokens the draft's cache lacks: the whole prompt at a request's first model step), spread over the tokens
-  the request may still produce, priced by one short prefill timed against one-token draft forwards
+  model steps are expected to produce (the tokens the request may still produce times the share of the
+  committed tokens that model steps produced so far), priced by one short prefill timed against one-token
+  draft forwards
   (``measure_prefill_cost``, once per draft model and thread count); a step with no suffix tree is a plain
   step when the model draft, so priced, would yield less than one token a verify. The choice reads only the
   draft side and committed tokens, so the output stays lossless.
@@ -64,7 +67,7 @@ from graphspec.kernels.sampling import exponential_noise
 
 __all__ = ["SuffixAutomaton", "SuffixStore", "SuffixDrafter", "HybridDrafter", "SUFFIX_SPEC_FACTOR",
            "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH", "HYBRID_MODEL_K",
-           "HYBRID_DRAFT_COST", "HYBRID_PREFILL_PROBE", "measure_prefill_cost"]
+           "HYBRID_DRAFT_COST", "HYBRID_PREFILL_PROBE", "measure_prefill_cost", "measure_draft_cost"]
 
 SEP = -1     # document separator in a store's text (never a token id)
 _NONE = -2   # "no transition" in the first-transition slot
@@ -80,9 +83,10 @@ SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations ar
 SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its oldest documents (about 40 MB)
 HYBRID_SWITCH = 1.0            # suffix when its tokens per unit of time >= this x the model draft's (see HybridDrafter)
 HYBRID_MODEL_K = 5             # a hybrid's model draft proposes at most this many (the 0.5B tree's K, perf/RESULTS.md)
-# A model draft forward's time over a target verify's: the int8 Qwen2.5-0.5B draft (pruned head) against the bf16
-# 1.5B target on the CPUs measured (perf/RESULTS.md: its forward against the 1.5B step). A smaller draft costs less:
-# set HybridDrafter(draft_cost=...) for another pair.
+# A model draft forward's time over a target verify's, for sampled runs (a timed figure must not move a seeded
+# sample) and wherever it cannot be measured: the int8 Qwen2.5-0.5B draft (pruned head) against the bf16 1.5B
+# target on the CPUs measured (perf/RESULTS.md). Greedy runs measure it (measure_draft_cost) unless
+# HybridDrafter(draft_cost=...) sets it.
 HYBRID_DRAFT_COST = 0.2
 HYBRID_PRIOR_MODEL = 3.0       # tokens a model step is assumed to yield before one is measured (one step's weight)
 # Suffix trees' calibration starts at 1 with this many tokens of score behind it: one early tree that misses (a match
@@ -600,6 +604,12 @@ def _followed(toks: list[int], parents: list[int], committed: list[int]) -> int:
     return got
 
 
+def _unbatched(model):
+    from graphspec.engine import _BatchedModel  # the engine's proxy would queue a probe behind batched steps
+
+    return model.model if isinstance(model, _BatchedModel) else model
+
+
 # draft model -> {(threads, head width): a prefill's seconds per token over a draft forward's}; weak, so that a
 # model's measurement goes with it
 _PREFILL_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -615,11 +625,7 @@ def measure_prefill_cost(drafter: ModelDrafter, tokens: int = HYBRID_PREFILL_PRO
     A ratio, so it carries over to the rule's unit through ``draft_cost`` (a draft forward in verifies).
     """
     _check_int("tokens", tokens, 1)
-    model = drafter.model
-    from graphspec.engine import _BatchedModel  # the engine's proxy would queue the probe behind batched steps
-
-    if isinstance(model, _BatchedModel):
-        model = model.model
+    model = _unbatched(drafter.model)
     key = (torch.get_num_threads(), None if drafter.head is None else int(drafter.head.ids.numel()))
     try:
         known = _PREFILL_COSTS.setdefault(model, {})
@@ -646,6 +652,48 @@ def measure_prefill_cost(drafter: ModelDrafter, tokens: int = HYBRID_PREFILL_PRO
     return ratio
 
 
+# draft model -> target -> {(threads, head width, verify rows): a draft forward's seconds over a verify's}
+_DRAFT_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def measure_draft_cost(drafter, target, rows: int, repeats: int = 2) -> float:
+    """One draft forward's time over one target verify of ``rows`` rows, for this pair on this machine.
+
+    Times, in scratch caches and in the same moment (so that the host's load falls on both), a one-token
+    draft forward (``next_logits`` with the drafter's head, as a chain draft runs) and a target forward of
+    ``rows`` tokens with logits for every row (``model.step(..., logits_for="all")``, as a verify runs),
+    best of ``repeats`` each. Both at the start of a cache: attention over a long context adds to both and
+    is left out. Kept per draft model, target, thread count, head width and rows, so it is measured once
+    (two 6-row verifies of the 1.5B and four 0.5B forwards: about 0.7 s on one Zen 4 core).
+    """
+    _check_int("rows", rows, 1)
+    model, target = _unbatched(drafter.model), _unbatched(target)
+    head = getattr(drafter, "head", None)
+    key = (torch.get_num_threads(), None if head is None else int(head.ids.numel()), rows)
+    try:
+        known = _DRAFT_COSTS.setdefault(model, weakref.WeakKeyDictionary()).setdefault(target, {})
+    except TypeError:  # a model object that takes no weak reference: measured each time
+        known = {}
+    if key in known:
+        return known[key]
+    d_cache, t_cache = model.new_cache(2), target.new_cache(rows)
+    one = torch.zeros(1, 1, dtype=torch.int64, device=getattr(model, "device", torch.device("cpu")))
+    ids = torch.zeros(1, rows, dtype=torch.int64, device=getattr(target, "device", torch.device("cpu")))
+    verify = step = float("inf")
+    for _ in range(max(repeats, 1)):
+        for _ in range(2):
+            d_cache.truncate(0)
+            t0 = time.perf_counter()
+            next_logits(model, head, one, d_cache)
+            step = min(step, time.perf_counter() - t0)
+        t_cache.truncate(0)
+        t0 = time.perf_counter()
+        target.step(ids, t_cache, logits_for="all")
+        verify = min(verify, time.perf_counter() - t0)
+    known[key] = ratio = step / max(verify, 1e-9)
+    return ratio
+
+
 class HybridDrafter(Stage):
     """Per step, the suffix tree when it should be accepted well, else a model draft (lossless either way).
 
@@ -665,28 +713,34 @@ class HybridDrafter(Stage):
         1 + c * s >= switch * m / (1 + draft_cost * f)
 
     (a suffix step costs one verify; a model step one verify and ``f`` draft forwards of ``draft_cost``
-    verifies each). The figures are kept over the drafter's life, across requests.
+    verifies each). The figures are kept over the drafter's life, across requests. ``draft_cost``: a draft
+    forward's time over a verify's; None (the default) measures it in greedy runs (``measure_draft_cost``, once
+    per draft model, target, thread count and verify rows) and takes ``HYBRID_DRAFT_COST`` in sampled runs.
 
     Catch-up (greedy runs, a same-tokenizer chain or tree draft): a model step first feeds the draft the ``T``
     committed tokens its cache lacks (the whole prompt at a request's first model step, the tokens of the
     suffix steps since the last one after that) as one prefill, ``p`` draft forwards a token (``prefill_cost``;
-    None: ``measure_prefill_cost``). That buys model steps for the rest of the request, so a model step pays its
-    share of it, its expected tokens over the ``r`` tokens the request may still produce, as the engine's
-    ``SpeculationPolicy`` spreads a deferred draft's catch-up:
+    None: ``measure_prefill_cost``). That buys model steps for the rest of the request, but only for the tokens
+    model steps will produce: of the ``r`` tokens the request may still produce, a share ``w`` (the committed
+    tokens model steps produced so far over all that steps produced, over the drafter's life, with one prior
+    step of ``prior_model`` tokens of each kind: 1/2 before any). So a model step pays its expected tokens'
+    share of the catch-up, ``m`` over ``w * r`` (at least one token), as the engine's ``SpeculationPolicy``
+    spreads a deferred draft's catch-up over the tokens it will draft:
 
-        model rate = m / (1 + draft_cost * f + draft_cost * p * T * min(m / r, 1))
+        model rate = m / (1 + draft_cost * f + draft_cost * p * T * min(m / max(w * r, 1), 1))
 
-    A long prompt with a short budget left thus keeps the model out unless suffix trees do badly; with no
-    suffix tree the step is a plain one (no proposal) when the model rate is below 1 (a plain step yields one
-    token a verify). Sampled runs leave the catch-up out: it is timed, and a seeded sample must not depend on
-    the host's load.
+    Where suffix trees produce most tokens (code editing: a file restated), a prompt's prefill bought for a
+    few model steps thus costs what it costs; a long prompt with a short budget left keeps the model out
+    unless suffix trees do badly. With no suffix tree the step is a plain one (no proposal) when the model
+    rate is below 1 (a plain step yields one token a verify). Sampled runs leave the catch-up out: it is
+    timed, and a seeded sample must not depend on the host's load.
     """
 
     reads = ("tokens", "num_draft", "params", "generator")
     writes = ("draft_ids", "draft_probs", "draft_parents")
 
     def __init__(self, model, suffix: SuffixDrafter | None = None, *, switch: float = HYBRID_SWITCH,
-                 model_k: int | None = HYBRID_MODEL_K, draft_cost: float = HYBRID_DRAFT_COST,
+                 model_k: int | None = HYBRID_MODEL_K, draft_cost: float | None = None,
                  prior_model: float = HYBRID_PRIOR_MODEL, prefill_cost: float | None = None, name: str = "draft"):
         super().__init__(name)
         stages = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -704,9 +758,13 @@ class HybridDrafter(Stage):
         self.switch = float(switch)
         self.model_k = None if model_k is None else _check_int("model_k", model_k, 1)
         for what, v in (("draft_cost", draft_cost), ("prior_model", prior_model)):
+            if what == "draft_cost" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"{what} must be a number >= 0, got {v!r}")
-        self.draft_cost = float(draft_cost)
+                raise ValueError(f"{what} must be a number >= 0, got {v!r}"
+                                 + (" (None: measured in greedy runs)" if what == "draft_cost" else ""))
+        # a draft forward's cost in verifies (None: measure_draft_cost in greedy runs, HYBRID_DRAFT_COST in sampled)
+        self.draft_cost = None if draft_cost is None else float(draft_cost)
         self.prior_model = float(prior_model)
         if prefill_cost is not None and (isinstance(prefill_cost, bool) or not isinstance(prefill_cost, (int, float))
                                          or not prefill_cost >= 0):
@@ -715,8 +773,10 @@ class HybridDrafter(Stage):
         # a draft prefill's cost per token in draft forwards (None: measured when a catch-up is first priced)
         self.prefill_cost = None if prefill_cost is None else float(prefill_cost)
         # what each kind of step earned so far, over every request (lock: the engine's threads share the stage)
+        # (step_tokens: the tokens every step committed, model_tokens those of model steps: the share of the
+        # catch-up's rule)
         self.measured = {"suffix_score": 0.0, "suffix_accepted": 0, "model_steps": 0, "model_tokens": 0,
-                         "model_forwards": 0}
+                         "model_forwards": 0, "step_tokens": 0}
         self._lock = threading.Lock()
         # the model stages read step inputs and each other's outputs only
         self.reads = tuple(dict.fromkeys(self.reads + tuple(
@@ -747,27 +807,54 @@ class HybridDrafter(Stage):
         state.scratch(self).update(last=None)
         state.run.extra["hybrid"] = {"suffix_steps": 0, "model_steps": 0, "plain_steps": 0}
 
-    def model_rate(self, k: int, catch_up: int = 0, remaining: int = 1) -> float:
+    def model_share(self) -> float:
+        """``w``: the share of the committed tokens that model steps produced so far (see the class docstring)."""
+        m = self.measured
+        total = m["step_tokens"] + 2 * self.prior_model
+        return (m["model_tokens"] + self.prior_model) / total if total > 0 else 1.0
+
+    def model_rate(self, k: int, catch_up: int = 0, remaining: int = 1, *, draft_cost: float | None = None,
+                   share: float | None = None) -> float:
         """Tokens a verify of a model step of at most ``k`` drafts, with ``catch_up`` tokens to prefill first and
-        ``remaining`` tokens left to the request (see the class docstring)."""
+        ``remaining`` tokens left to the request (see the class docstring). ``draft_cost``: None takes
+        ``self.draft_cost`` (``HYBRID_DRAFT_COST`` if that is None too); ``share``: None takes ``model_share()``
+        (1 spreads the catch-up over every token left, the rule until 2026-12-03 14:00 UTC)."""
         m = self.measured
         steps = m["model_steps"] + 1  # one prior step
         tokens = (m["model_tokens"] + self.prior_model) / steps
         forwards = (m["model_forwards"] + k) / steps
-        cost = 1.0 + self.draft_cost * forwards
+        if draft_cost is None:
+            draft_cost = HYBRID_DRAFT_COST if self.draft_cost is None else self.draft_cost
+        cost = 1.0 + draft_cost * forwards
         if catch_up > 0:
             if self.prefill_cost is None:
                 raise ValueError("HybridDrafter.prefill_cost is not measured yet; set it (draft forwards a prefill "
                                  "token costs) or let run() measure it")
-            cost += self.draft_cost * self.prefill_cost * catch_up * min(tokens / max(remaining, 1), 1.0)
+            share = self.model_share() if share is None else share
+            cost += draft_cost * self.prefill_cost * catch_up * min(tokens / max(remaining * share, 1.0), 1.0)
         return tokens / cost
 
-    def prefers_suffix(self, score: float, k: int, catch_up: int = 0, remaining: int = 1) -> bool:
+    def prefers_suffix(self, score: float, k: int, catch_up: int = 0, remaining: int = 1, *,
+                       draft_cost: float | None = None, share: float | None = None) -> bool:
         """The rule (see the class docstring) for a suffix tree of ``score`` against a model step of at most ``k``
         that must first prefill ``catch_up`` tokens, with ``remaining`` tokens left to the request."""
         m = self.measured
         c = (m["suffix_accepted"] + HYBRID_PRIOR_SUFFIX) / (m["suffix_score"] + HYBRID_PRIOR_SUFFIX)
-        return 1.0 + c * score >= self.switch * self.model_rate(k, catch_up, remaining)
+        return 1.0 + c * score >= self.switch * self.model_rate(k, catch_up, remaining, draft_cost=draft_cost,
+                                                                share=share)
+
+    def step_draft_cost(self, state) -> float:
+        """The ``draft_cost`` of this step: the one set, else measured in a greedy run (``measure_draft_cost`` at
+        the run's K + 1 verify rows), else ``HYBRID_DRAFT_COST`` (a sampled run: a timed figure must not move a seeded
+        sample; or a model drafter with no model to time)."""
+        if self.draft_cost is not None:
+            return self.draft_cost
+        d = self.model_drafter
+        if not state.params.greedy or state.num_draft < 1 or getattr(d, "model", None) is None \
+                or state.run.target is None:
+            return HYBRID_DRAFT_COST
+        # the run's K, not this step's (fewer near a request's end): one measurement a pipeline
+        return measure_draft_cost(d, state.run.target, state.run.num_speculative_tokens + 1)
 
     def catch_up_tokens(self, state) -> int:
         """Committed tokens the model draft must be fed before it drafts (what ``ModelDrafter.catch_up`` prefills;
@@ -817,6 +904,7 @@ class HybridDrafter(Stage):
             got = n - n0 - 1
             m = self.measured
             with self._lock:
+                m["step_tokens"] += got + 1
                 if tree[0]:  # the step's suffix tree, proposed or not, against the tokens committed
                     m["suffix_score"] += sum(tree[2])
                     m["suffix_accepted"] += _followed(tree[0], tree[1], state.tokens[n0:n])
@@ -836,13 +924,15 @@ class HybridDrafter(Stage):
         if behind and self.prefill_cost is None:
             self.prefill_cost = measure_prefill_cost(self.model_drafter)
         remaining = state.run.capacity - n  # tokens the request may still produce (capacity: prompt + max_new)
-        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining):
+        cost = self.step_draft_cost(state)
+        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost):
             write_tree(state, toks, parents, counts)
             sc["last"] = ("suffix", n, tree, 0)
             extra["suffix_steps"] += 1
             return
-        if not toks and k > 0 and self.model_rate(model_k, behind, remaining) < 1.0:
+        if not toks and k > 0 and self.model_rate(model_k, behind, remaining, draft_cost=cost) < 1.0:
             write_tree(state, [], [], [])  # a plain step: the model would cost more than it yields
+            sc["last"] = ("plain", n, tree, 0)
             extra["plain_steps"] += 1
             return
         if k > 0:  # a step that may draft nothing (the request's last token) must not pay a catch-up for nothing

@@ -112,6 +112,9 @@ def test_continuation_tree_counts_and_order_equal_brute_force(text, budget, min_
 # ----------------------------------------------------------------------------- greedy, token-exact
 
 REPETITIVE = [1, 2, 3, 1, 2, 3, 1, 2]
+# The toy draft costs about as much as the toy target (measure_draft_cost: 1.1 on a Zen 4 core), so a hybrid that
+# measured it would rightly never draft with it; tests of the model steps' mechanics price it as a small draft.
+TOY_DRAFT_COST = 0.2
 FRESH = [[5, 9, 2], [7], [3, 3, 3, 3, 11, 4], [14, 0, 6, 13, 8, 10]]
 
 
@@ -143,6 +146,7 @@ def test_greedy_hybrid_equals_the_target_alone_on_toy_models(monkeypatch):
     real = suffix.write_tree
     monkeypatch.setattr(suffix, "write_tree", lambda *a: (used.append(1), real(*a))[1])
     pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=6)
+    pipe.graph["draft"].draft_cost = TOY_DRAFT_COST
     stats = _check_greedy(pipe, [REPETITIVE] + FRESH + [REPETITIVE])
     assert used  # some steps proposed the suffix tree
     assert sum(s.draft_forwards for s in stats) > len(stats)  # the model drafted some steps
@@ -166,7 +170,7 @@ def test_the_hybrid_keeps_the_model_cache_on_the_committed_tokens(siblings):
 
     # switch=0: the suffix tree whenever there is one, so model and suffix steps alternate often
     hybrid = CheckedHybrid(ModelDrafter(_draft(), siblings=siblings, confidence_threshold=0.6 if siblings else None),
-                           switch=0.0)
+                           switch=0.0, draft_cost=TOY_DRAFT_COST)
     pipe = graphspec.Pipeline(_target(), draft=hybrid, num_speculative_tokens=5)
     stats = _check_greedy(pipe, [REPETITIVE] + FRESH + [REPETITIVE], n=60)
     assert sum(s.draft_forwards for s in stats) > len(stats)
@@ -201,7 +205,7 @@ def test_the_hybrid_prefills_its_model_draft_only_when_it_drafts():
     # runs no draft forward at all, not even the prompt's prefill; a fresh prompt makes the model draft and catch up.
     pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=4)
     hybrid = pipe.graph["draft"]
-    hybrid.switch = 0.0
+    hybrid.switch, hybrid.draft_cost = 0.0, TOY_DRAFT_COST
     hybrid.suffix.learn = False
     want = graphspec.Pipeline(pipe.target).run(REPETITIVE * 4, max_new_tokens=24, ignore_eos=True).token_ids
     out = pipe.run(REPETITIVE * 4, max_new_tokens=24, ignore_eos=True)
@@ -221,7 +225,7 @@ def test_the_hybrid_calibrates_suffix_trees_it_did_not_propose():
     # committed tokens, so their calibration keeps learning (the repetitive prompt's trees are followed)
     pipe = graphspec.Pipeline(_target(), draft=[_draft(), "suffix"], num_speculative_tokens=4)
     hybrid = pipe.graph["draft"]
-    hybrid.switch = 1e9
+    hybrid.switch, hybrid.draft_cost = 1e9, TOY_DRAFT_COST
     out = _check_greedy(pipe, [REPETITIVE * 3], n=24)[0]
     m = hybrid.measured
     assert pipe.run(REPETITIVE, max_new_tokens=2).stats.steps >= 1
@@ -236,8 +240,12 @@ def test_the_hybrid_rule_counts_the_draft_catch_up_prefill():
     # costs 0.3 draft forwards, 0.06 verify
     h = HybridDrafter(ModelDrafter(_draft()), draft_cost=0.2, prior_model=3.0, prefill_cost=0.3)
     assert h.model_rate(5) == pytest.approx(1.5)
-    # an 800-token prompt to prefill (48 verifies) with 96 tokens left: a step's share is 3/96 of it, 1.5 verifies
-    assert h.model_rate(5, catch_up=800, remaining=96) == pytest.approx(3 / (2 + 1.5))
+    # an 800-token prompt to prefill (48 verifies) with 96 tokens left, of which model steps are expected to produce
+    # half (the prior: nothing measured yet): a step's share is 3/48 of it, 3 verifies
+    assert h.model_share() == pytest.approx(0.5)
+    assert h.model_rate(5, catch_up=800, remaining=96) == pytest.approx(3 / (2 + 3))
+    # spread over every token left (share 1, the rule before), 3/96 of it
+    assert h.model_rate(5, catch_up=800, remaining=96, share=1.0) == pytest.approx(3 / (2 + 1.5))
     # so a decent suffix tree (expecting 0.3 tokens) is taken while the catch-up is owed ...
     assert h.prefers_suffix(0.3, 5, catch_up=800, remaining=96)
     # ... and the model once the catch-up is paid (the same tree, nothing left to prefill)
@@ -256,6 +264,54 @@ def test_the_hybrid_rule_counts_the_draft_catch_up_prefill():
         HybridDrafter(ModelDrafter(_draft())).model_rate(5, catch_up=10, remaining=10)
 
 
+def test_the_catch_up_is_spread_over_the_tokens_model_steps_produce():
+    from graphspec import ModelDrafter
+
+    h = HybridDrafter(ModelDrafter(_draft()), draft_cost=0.2, prior_model=3.0, prefill_cost=0.3)
+    # suffix trees produced 90% of the 294 tokens committed so far; 9 model steps of 3 tokens and 5 forwards each
+    # (with the prior step: m = 3, f = 5), trees accepted as scored (c = 1)
+    h.measured.update(step_tokens=294, model_steps=9, model_tokens=27, model_forwards=45, suffix_score=100.0,
+                      suffix_accepted=100)
+    assert h.model_share() == pytest.approx(30 / 300)
+    # an 800-token catch-up (48 verifies) with 1000 tokens left, of which model steps are expected to produce 100: a
+    # step's share is 3/100 of it, 1.44 verifies (the rule before spread it over all 1000: 0.144)
+    assert h.model_rate(5, 800, 1000) == pytest.approx(3 / (2 + 1.44))
+    assert h.model_rate(5, 800, 1000, share=1.0) == pytest.approx(3 / (2 + 0.144))
+    # so a weak suffix tree (expecting 0.2 tokens: 1.2 a verify) is taken over the model, which the rule before
+    # would have prefilled 800 tokens for
+    assert h.prefers_suffix(0.2, 5, 800, 1000)
+    assert not h.prefers_suffix(0.2, 5, 800, 1000, share=1.0)
+    # the other way: model steps produced 90% of the tokens (89 steps, m = 3, f = 5): the catch-up buys them 900 of
+    # the 1000 tokens left, a step's share is 0.16 verifies, and the model is taken over the same tree
+    h.measured.update(model_steps=89, model_tokens=267, model_forwards=445)
+    assert h.model_share() == pytest.approx(0.9)
+    assert h.model_rate(5, 800, 1000) == pytest.approx(3 / (2 + 0.16))
+    assert not h.prefers_suffix(0.2, 5, 800, 1000)
+    # nothing to prefill: the share does not enter
+    assert h.model_rate(5, 0, 1000) == h.model_rate(5, 0, 1000, share=0.01) == pytest.approx(1.5)
+    # a step never pays more than the whole catch-up, however few tokens model steps are expected to produce
+    assert h.model_rate(5, 800, 5, share=0.01) == pytest.approx(3 / (2 + 48))
+    # plain steps count in the share: their token is one that model steps did not produce
+    h.measured.update(step_tokens=0, model_steps=0, model_tokens=0, model_forwards=0)
+    assert h.model_share() == pytest.approx(0.5)
+
+
+def test_plain_and_suffix_steps_lower_the_model_share_and_model_steps_raise_it():
+    # a costly catch-up: plain and suffix steps only, whose tokens all count against the model's share
+    costly = _recording(1e4)
+    _check_greedy(graphspec.Pipeline(_target(), draft=costly, num_speculative_tokens=4), [FRESH[2], FRESH[3]], n=24)
+    kinds = [kind for _, kind in costly.log]
+    assert "plain" in kinds and "model" not in kinds
+    m = costly.measured
+    # 23 tokens a request from steps (the first comes from the prefill); a request's last step is not counted
+    assert m["model_tokens"] == 0 and 30 <= m["step_tokens"] <= 2 * 23
+    assert costly.model_share() < 0.1
+    # the model whenever it is worth anything: its share grows toward 1
+    eager = _recording(0.0, switch=1e9)
+    _check_greedy(graphspec.Pipeline(_target(), draft=eager, num_speculative_tokens=4), [FRESH[2], FRESH[3]], n=24)
+    assert eager.measured["model_tokens"] > 0.8 * eager.measured["step_tokens"] and eager.model_share() > 0.8
+
+
 class RecordingHybrid(HybridDrafter):
     """Records, per step, the catch-up the rule saw and what it chose (suffix, model or plain)."""
 
@@ -271,6 +327,7 @@ class RecordingHybrid(HybridDrafter):
 def _recording(prefill_cost, **kw):
     from graphspec import ModelDrafter
 
+    kw.setdefault("draft_cost", TOY_DRAFT_COST)
     h = RecordingHybrid(ModelDrafter(_draft()), prefill_cost=prefill_cost, **kw)
     h.log = []
     return h
@@ -290,6 +347,27 @@ def test_a_costly_catch_up_keeps_the_model_draft_out_and_output_exact():
     kinds = {kind for _, kind in costly.log}
     assert "model" not in kinds and kinds and out.draft_forwards == 0
     assert costly.measured["model_steps"] == 0
+
+
+def test_a_drafter_whose_tokens_suffix_trees_produce_does_not_prefill_a_prompt_for_one_model_step():
+    # A drafter whose earlier steps were all suffix or plain ones (300 tokens, none from the model) meets a 60-token
+    # prompt (repeats: suffix trees at most steps) with 40 tokens to go and a prefill token at 0.3 draft forwards
+    # (the 0.5B's figure). Spread over the 40 tokens left, the prompt's catch-up looked cheap and the step without
+    # a good tree prefilled the draft for one model step; spread over the few the model is expected to produce,
+    # it costs more than that step yields, and the step is plain. Tokens exact either way.
+    prompt = [(7 * i) % 13 for i in range(60)]
+    runs = {}
+    for rule in ("share", "all tokens left"):
+        h = _recording(0.3)
+        h.measured.update(step_tokens=300)
+        if rule == "all tokens left":
+            h.model_share = lambda: 1.0  # the rule before: every token left counted as the model's
+        out = _check_greedy(graphspec.Pipeline(_target(), draft=h, num_speculative_tokens=5), [prompt], n=40)[0]
+        runs[rule] = ([kind for _, kind in h.log], out.draft_forwards)
+    kinds, forwards = runs["share"]
+    assert "model" not in kinds and "plain" in kinds and forwards == 0
+    kinds, forwards = runs["all tokens left"]
+    assert "model" in kinds and forwards > 0
 
 
 def test_fresh_text_with_no_suffix_tree_takes_plain_steps_while_the_catch_up_costs_more():
@@ -356,11 +434,76 @@ def test_greedy_hybrid_with_any_catch_up_price_equals_autoregressive(tiny, prefi
     target, draft = tiny
     pipe = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=6)
     pipe.graph["draft"].prefill_cost = prefill_cost
+    pipe.graph["draft"].draft_cost = TOY_DRAFT_COST
     stats = _check_greedy(pipe, [p for p in _prompts() if len(p) > 2], n=40)  # a 1-token prompt owes no catch-up
     if prefill_cost == 1e4:  # priced out: the draft never runs
         assert sum(s.draft_forwards for s in stats) == 0
     else:
         assert sum(s.draft_forwards for s in stats) > 0
+
+
+class _Slowed:
+    """A model whose ``step`` takes ``seconds`` longer (what measure_draft_cost sees of a bigger model)."""
+
+    def __init__(self, model, seconds: float):
+        self.model, self.seconds = model, seconds
+
+    def new_cache(self, *a, **kw):
+        return self.model.new_cache(*a, **kw)
+
+    def step(self, *a, **kw):
+        import time
+
+        time.sleep(self.seconds)
+        return self.model.step(*a, **kw)
+
+
+def test_measure_draft_cost_times_a_draft_forward_against_a_verify(monkeypatch, tiny):
+    import types
+
+    import graphspec.suffix as suffix
+
+    target, draft = tiny
+    monkeypatch.setattr(suffix, "_DRAFT_COSTS", __import__("weakref").WeakKeyDictionary())
+    # a draft forward 4 ms longer, a verify 40 ms longer: about a tenth (the tiny forwards add well under 1 ms)
+    slow_draft, slow_target = _Slowed(draft, 0.004), _Slowed(target, 0.04)
+    drafter = types.SimpleNamespace(model=slow_draft, head=None)
+    ratio = suffix.measure_draft_cost(drafter, slow_target, rows=6)
+    assert 0.05 < ratio < 0.2, ratio
+    # kept per pair, thread count and rows: measured once
+    calls = []
+    monkeypatch.setattr(slow_target, "step", lambda *a, **kw: (calls.append(1), target.step(*a, **kw))[1])
+    assert suffix.measure_draft_cost(drafter, slow_target, rows=6) == ratio and not calls
+    suffix.measure_draft_cost(drafter, slow_target, rows=3)  # another verify size: measured
+    assert calls
+    with pytest.raises(ValueError, match="rows"):
+        suffix.measure_draft_cost(drafter, slow_target, rows=0)
+
+
+def test_the_hybrid_measures_its_draft_cost_in_greedy_runs_only(monkeypatch, tiny):
+    import graphspec.suffix as suffix
+
+    target, draft = tiny
+    calls = []
+    real = suffix.measure_draft_cost
+    monkeypatch.setattr(suffix, "measure_draft_cost", lambda d, t, rows: (calls.append(rows), real(d, t, rows))[1])
+    pipe = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=4)
+    h = pipe.graph["draft"]
+    assert h.draft_cost is None  # the default: measured
+    # sampled: a timed figure must not move a seeded sample, so the fixed figure, and nothing timed
+    pipe.run(_prompts()[2], max_new_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    assert not calls
+    # greedy: measured at the verify's K + 1 rows, token-exact
+    _check_greedy(pipe, _prompts()[1:3], n=16)
+    assert calls and set(calls) == {5}
+    assert real(h.model_drafter, target, 5) > 0
+    # set: never measured
+    calls.clear()
+    h.draft_cost = 0.1
+    _check_greedy(pipe, _prompts()[1:2], n=8)
+    assert not calls
+    with pytest.raises(ValueError, match="draft_cost"):
+        HybridDrafter(pipe.graph["draft"].model_drafter, draft_cost="fast")
 
 
 def test_followed_walks_a_tree_from_its_root():
