@@ -80,11 +80,16 @@ def _bits32(b: torch.Tensor) -> torch.Tensor:
     return ((_u32(b)[:, None] >> torch.arange(32, device=b.device)) & 1).to(torch.uint8)
 
 
-def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
+def _k_scale_min_u8(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins, uint8 (ggml's get_scale_min_k4)."""
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sc, mn = _k_scale_min_u8(s)
     return sc.float(), mn.float()
 
 
@@ -149,14 +154,188 @@ def dequantize_ref(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
     return (ds * q).reshape(-1)
 
 
+A8_TILE_ROWS = 16
+"""Weight rows a tile of :func:`pack_a8` interleaves."""
+
+A8_TILE_BYTES = {"Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}
+"""Bytes of one tile (16 weight rows of one super-block of 256) per format."""
+
+
+def _k_quants(type_name: str, b: torch.Tensor):
+    """k-quant super-blocks ``b`` ([nb, type_size] uint8) -> their fields as integers: the quants q ([nb, 256] uint8,
+    in weight order: 0..15, 0..31 or 0..63), the scales ([nb, 8] uint8 six-bit, or Q6_K [nb, 16] int8 bytes), the
+    mins ([nb, 8] or None), and the fp16 bytes of d and dmin ([nb, 2] each; dmin None for Q6_K)."""
+    if type_name in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scale_min_u8(b[:, 4:16])
+        if type_name == "Q4_K":
+            q = _k_low4(b[:, 16:144])
+        else:
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
+            q = _k_low4(b[:, 48:176]) | ((qh & 1) << 4)
+        return q.reshape(-1, 256), sc, mn, b[:, 0:2], b[:, 2:4]
+    ql = b[:, 0:128].reshape(-1, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts[None, None, :, None]) & 3).reshape(-1, 8, 32)
+    return (ql | (qh << 4)).reshape(-1, 256), b[:, 192:208], None, b[:, 208:210], None
+
+
+def _k_encode(type_name: str, q, sc, mn, d, dmin) -> torch.Tensor:
+    """The inverse of :func:`_k_quants`: the super-blocks' bytes, as the GGUF file holds them."""
+    nb = q.shape[0]
+    if type_name in ("Q4_K", "Q5_K"):
+        scales = torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], dim=1)
+        low = (q & 0x0F).reshape(nb, 4, 2, 32)
+        qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(nb, 128)
+        parts = [d, dmin, scales]
+        if type_name == "Q5_K":
+            hb = (q >> 4).reshape(nb, 8, 32)
+            qh = torch.zeros(nb, 32, dtype=torch.uint8, device=q.device)
+            for i in range(8):
+                qh |= hb[:, i] << i
+            parts.append(qh)
+        return torch.cat(parts + [qs], dim=1)
+    qv = q.reshape(nb, 2, 128)
+    ql = ((qv[:, :, :64] & 0x0F) | ((qv[:, :, 64:] & 0x0F) << 4)).reshape(nb, 128)
+    hh = (qv >> 4).reshape(nb, 2, 4, 32)
+    qh = torch.zeros(nb, 2, 32, dtype=torch.uint8, device=q.device)
+    for t in range(4):
+        qh |= hh[:, :, t] << (2 * t)
+    return torch.cat([ql, qh.reshape(nb, 64), sc, d], dim=1)
+
+
+def _a8_order(type_name: str) -> torch.Tensor:
+    """Where each byte of a tile comes from in the plain layout (all low-nibble runs, the high runs, the scales
+    [sub-block][row], the mins, d, dmin): the tile stores its runs and scales in the order the C++ kernels read them
+    (sub-block pair by pair: one sequential stream per tile row), as kernels/cpu/qgemm.cpp's nib_off / high_off /
+    sc_off place them."""
+    tb = A8_TILE_BYTES[type_name]
+    order = torch.empty(tb, dtype=torch.long)
+
+    def put(new: int, old: int, size: int) -> None:
+        order[new:new + size] = torch.arange(old, old + size)
+
+    if type_name == "Q6_K":
+        for j in range(32):
+            put(832 * ((j % 16) // 4) + 256 * (j // 16) + 64 * (j % 4), 64 * j, 64)
+        for h in range(16):
+            put(832 * (h // 4) + 512 + 64 * (h % 4), 2048 + 64 * h, 64)
+        for g in range(16):
+            put(832 * (g % 4) + 768 + 16 * (0, 2, 1, 3)[g // 4], 3072 + 16 * g, 16)
+        put(3328, 3328, 32)
+        return order
+    base = 512 if type_name == "Q5_K" else 0
+    for h in range(8 if type_name == "Q5_K" else 0):
+        put(64 * h, 2048 + 64 * h, 64)
+    for j in range(32):
+        put(base + 544 * (j // 8) + 64 * (j % 8), 64 * j, 64)
+    for sb in range(8):
+        put(base + 544 * (sb % 4) + 512 + 16 * (sb // 4), base + 2048 + 16 * sb, 16)
+    put(base + 2176, base + 2176, 192)  # the mins, d and dmin, where the plain layout has them
+    return order
+
+
+def pack_a8(type_name: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A k-quant weight's GGUF bytes (``[n, row_bytes]``) -> the tiles the C++ int8-activation GEMM reads
+    (``kernels/cpu/qgemm.cpp``, "a8"): uint8 ``[ceil(n / 16), k / 256 * A8_TILE_BYTES[type]]``, lossless
+    (:func:`unpack_a8` gives the bytes back).
+
+    Tile (g, b) holds super-block b of weight rows 16g .. 16g + 15 (rows past n are zeros), decoded and
+    interleaved: 32 runs of 64 bytes, run j byte 4r + i holding weight 4j + i of row r in its low nibble and
+    weight 128 + 4j + i in its high nibble (the quants' low 4 bits); Q5_K then 8 runs of 64 bytes, bit t of run h
+    the fifth bit of quad h + 8t; Q6_K 16 runs, bits 2t, 2t + 1 of run h the top two bits of quad h + 16t (quad J:
+    weights 4J .. 4J + 3); then the scales [sub-block][row] (Q6_K's 16 int8 ones), Q4_K / Q5_K the mins
+    [pair p][row][sub-block 2p, 2p + 1], and the rows' d (fp16), then dmin. The runs and scales are then
+    reordered into the order the kernel reads them (:func:`_a8_order`).
+    """
+    if type_name not in A8_TILE_BYTES:
+        raise ValueError(f"int8 activations run {list(A8_TILE_BYTES)}, not {type_name!r}")
+    if blocks.device.type == "cpu" and cpu.available():  # the same bytes, in C++ (a 1.5B model in seconds)
+        return cpu.qops().pack_a8(blocks.contiguous(), TYPE_IDS[type_name], n, k)
+    return pack_a8_ref(type_name, blocks, n, k)
+
+
+def pack_a8_ref(type_name: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`pack_a8` in torch: the reference its C++ form is tested against, and the torch level's."""
+    nsb, ts = k // 256, FORMATS[type_name][1]
+    g = -(-n // A8_TILE_ROWS)
+    pad = g * A8_TILE_ROWS - n
+    q, sc, mn, d, dmin = _k_quants(type_name, blocks.reshape(n * nsb, ts))
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:  # [n * nsb, w] -> [g, nsb, 16, w], zero rows past n
+        t = t.reshape(n, nsb, -1)
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, nsb, t.shape[-1])])
+        return t.reshape(g, A8_TILE_ROWS, nsb, -1).transpose(1, 2)
+
+    qq = tiled(q).reshape(g, nsb, A8_TILE_ROWS, 64, 4).permute(0, 1, 3, 2, 4)  # [g, nsb, quad, row, 4]
+    low = qq & 0x0F
+    parts = [(low[:, :, :32] | (low[:, :, 32:] << 4)).reshape(g, nsb, 2048)]
+    if type_name != "Q4_K":
+        bits, runs = (1, 8) if type_name == "Q5_K" else (2, 16)
+        hb = (qq >> 4).reshape(g, nsb, 64 // runs, runs, A8_TILE_ROWS, 4)
+        qh = torch.zeros(g, nsb, runs, A8_TILE_ROWS, 4, dtype=torch.uint8, device=blocks.device)
+        for t in range(64 // runs):
+            qh |= hb[:, :, t] << (bits * t)
+        parts.append(qh.reshape(g, nsb, runs * 64))
+    parts.append(tiled(sc).transpose(2, 3).reshape(g, nsb, -1))
+    if mn is not None:
+        parts.append(tiled(mn).reshape(g, nsb, A8_TILE_ROWS, 4, 2).permute(0, 1, 3, 2, 4).reshape(g, nsb, 128))
+    parts.append(tiled(d).reshape(g, nsb, 32))
+    if dmin is not None:
+        parts.append(tiled(dmin).reshape(g, nsb, 32))
+    tiles = torch.cat(parts, dim=2)[..., _a8_order(type_name).to(blocks.device)]
+    return tiles.reshape(g, nsb * A8_TILE_BYTES[type_name]).contiguous()
+
+
+def unpack_a8(type_name: str, tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of :func:`pack_a8`: the GGUF bytes ``[n, row_bytes]`` of the first ``n`` rows ``tiles``
+    hold."""
+    nsb, tb = k // 256, A8_TILE_BYTES[type_name]
+    g = tiles.numel() // (nsb * tb)
+    t = tiles.reshape(g, nsb, tb)[..., torch.argsort(_a8_order(type_name)).to(tiles.device)]
+    nib = t[..., :2048].reshape(g, nsb, 32, A8_TILE_ROWS, 4)
+    q = torch.cat([nib & 0x0F, nib >> 4], dim=2)  # [g, nsb, quad, row, 4]
+    off = 2048
+    if type_name != "Q4_K":
+        bits, runs = (1, 8) if type_name == "Q5_K" else (2, 16)
+        h = t[..., off:off + runs * 64].reshape(g, nsb, runs, A8_TILE_ROWS, 4)
+        mask = (1 << bits) - 1
+        hb = torch.stack([(h >> (bits * s)) & mask for s in range(64 // runs)], dim=2)
+        q = q | (hb.reshape(g, nsb, 64, A8_TILE_ROWS, 4) << 4)
+        off += runs * 64
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [g, nsb, 16, w] -> [n * nsb, w]
+        return x.transpose(1, 2).reshape(g * A8_TILE_ROWS, nsb, -1)[:n].reshape(n * nsb, -1)
+
+    q = rows(q.permute(0, 1, 3, 2, 4).reshape(g, nsb, A8_TILE_ROWS, 256))
+    nsc = 16 if type_name == "Q6_K" else 8
+    sc = rows(t[..., off:off + 16 * nsc].reshape(g, nsb, nsc, A8_TILE_ROWS).transpose(2, 3))
+    off += 16 * nsc
+    mn = dmin = None
+    if type_name != "Q6_K":
+        mn = rows(t[..., off:off + 128].reshape(g, nsb, 4, A8_TILE_ROWS, 2).permute(0, 1, 3, 2, 4)
+                  .reshape(g, nsb, A8_TILE_ROWS, 8))
+        off += 128
+    d = rows(t[..., off:off + 32].reshape(g, nsb, A8_TILE_ROWS, 2))
+    if type_name != "Q6_K":
+        dmin = rows(t[..., off + 32:off + 64].reshape(g, nsb, A8_TILE_ROWS, 2))
+    return _k_encode(type_name, q, sc, mn, d, dmin).reshape(n, nsb * FORMATS[type_name][1])
+
+
 class BlockWeight:
     """A ``[N, K]`` weight in a GGUF block format, its bytes as the file holds them (see the module docstring).
 
     ``linear`` accepts it wherever it accepts a weight tensor; activations are fp32 (``dtype``). ``dense()``
     gives the fp32 values (the dequantized model), ``rows(ids)`` some of them (an embedding lookup).
+
+    With int8 activations (:attr:`int8_activations`) the weight is kept as :func:`pack_a8`'s tiles instead, from
+    :meth:`pack` (the loaders call it; the first product does otherwise) on: the same bytes rearranged, so
+    ``blocks`` then unpacks them (a copy) and ``rows`` unpacks only the tiles it needs.
     """
 
-    __slots__ = ("type", "blocks", "shape", "dtype", "device", "activations")
+    __slots__ = ("type", "_blocks", "_tiles", "shape", "dtype", "device", "activations")
 
     def __init__(self, type_name: str, blocks: torch.Tensor, shape, activations: str = "fp32"):
         if activations not in ACTIVATIONS:
@@ -175,7 +354,8 @@ class BlockWeight:
             raise ValueError(f"a {type_name} weight of shape {tuple(shape)} is {n * row_bytes} uint8 bytes, got "
                              f"{blocks.dtype} with {blocks.numel()} elements")
         self.type = type_name
-        self.blocks = blocks.reshape(n, row_bytes).contiguous()
+        self._blocks = blocks.reshape(n, row_bytes).contiguous()
+        self._tiles = None
         self.shape = shape
         self.dtype = torch.float32
         self.device = blocks.device
@@ -191,20 +371,50 @@ class BlockWeight:
         return self.activations == "int8" and self.type in A8_TYPES
 
     @property
+    def blocks(self) -> torch.Tensor:
+        """The GGUF bytes, uint8 ``[N, row_bytes]`` (unpacked from the tiles, a copy, once packed)."""
+        if self._blocks is None:
+            return unpack_a8(self.type, self._tiles, self.shape[0], self.shape[1])
+        return self._blocks
+
+    @property
+    def tiles(self) -> torch.Tensor:
+        """:func:`pack_a8`'s tiles of an int8-activation weight on the CPU (packed now if not yet)."""
+        self.pack()
+        return self._tiles
+
+    def pack(self) -> "BlockWeight":
+        """Rearrange an int8-activation CPU weight into :func:`pack_a8`'s tiles, the layout its GEMM reads, and
+        drop the GGUF layout (nothing is lost: ``blocks`` unpacks it). Others are left as they are."""
+        if self._tiles is None and self.int8_activations and self.device.type == "cpu":
+            self._tiles = pack_a8(self.type, self._blocks, self.shape[0], self.shape[1])
+            self._blocks = None
+        return self
+
+    @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return (self._blocks if self._blocks is not None else self._tiles).numel()
 
     def dense(self) -> torch.Tensor:
         return dequantize_ref(self.type, self.blocks).reshape(self.shape)
 
+    def _row_blocks(self, flat: torch.Tensor) -> torch.Tensor:
+        """The GGUF bytes of rows ``flat`` (1-d int64)."""
+        if self._blocks is not None:
+            return self._blocks[flat]
+        tiles = self._tiles[torch.div(flat, A8_TILE_ROWS, rounding_mode="floor")]
+        got = unpack_a8(self.type, tiles, tiles.shape[0] * A8_TILE_ROWS, self.shape[1])
+        return got[torch.arange(flat.numel(), device=flat.device) * A8_TILE_ROWS + flat % A8_TILE_ROWS]
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 values of the weight rows ``ids`` (any shape of int64): ``[*ids.shape, K]``."""
         flat = ids.reshape(-1)
-        return dequantize_ref(self.type, self.blocks[flat]).reshape(*ids.shape, self.shape[1])
+        return dequantize_ref(self.type, self._row_blocks(flat)).reshape(*ids.shape, self.shape[1])
 
     def select(self, ids: torch.Tensor) -> "BlockWeight":
-        """The weight restricted to rows ``ids`` (1-d), still in blocks."""
-        return BlockWeight(self.type, self.blocks[ids], (ids.numel(), self.shape[1]), self.activations)
+        """The weight restricted to rows ``ids`` (1-d), still in blocks (and packed again if this one was)."""
+        w = BlockWeight(self.type, self._row_blocks(ids), (ids.numel(), self.shape[1]), self.activations)
+        return w.pack() if self._tiles is not None else w
 
     def __repr__(self) -> str:
         act = ", activations=int8" if self.int8_activations else ""
@@ -312,7 +522,7 @@ def qlinear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
             raise ValueError(f"{weight!r}: int8 activations (weights='gguf-a8') run on the CPU only; on "
                              f"{x.device.type} load the model with weights='gguf'")
         if cpu.available():
-            y = cpu.qops().qlinear_a8(x2.float().contiguous(), weight.blocks, TYPE_IDS[weight.type],
+            y = cpu.qops().qlinear_a8(x2.float().contiguous(), weight.tiles, TYPE_IDS[weight.type],
                                       weight.shape[0], k, None if bias is None else bias.float().contiguous())
         else:
             y = qlinear_a8_ref(x2, weight, bias)

@@ -132,6 +132,10 @@ def load_gguf_model(path: str | os.PathLike, *, device="cpu", backend: str | Non
     norm = dense("model.norm.weight")
     if plans:  # _tensor_plan rejects unknown tensors, so this is a bug, not a bad file
         raise AssertionError(f"tensors left unused: {sorted(plans)}")
+    if activations == "int8":  # into the tiles the int8-activation GEMM reads, once, here rather than mid-request
+        for w in [embed, lm_head] + [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)]:
+            for part in getattr(w, "parts", [w]):
+                part.pack()
     model = Transformer(config, embed, layers, norm, lm_head, tokenizer=_tokenizer(info), backend=backend,
                         weights="gguf-a8" if activations == "int8" else "gguf")
     model.gguf_path = info.path

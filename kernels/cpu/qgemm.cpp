@@ -489,43 +489,73 @@ constexpr bool in_registers(int) { return false; }
 // a8: the k-quants (Q4_K, Q5_K, Q6_K) times activations rounded to int8 per super-block of 256, integer dot products
 // (llama.cpp's arithmetic for these formats; graphspec.kernels.qlinear, "Activations rounded to int8").
 //
-// Each row of x, each super-block b of 256: amax = max |x|, dx = amax / 127, q = round-half-even(x * (127 / amax))
+// x: each row, each super-block b of 256: amax = max |x|, dx = amax / 127, q = round-half-even(x * (127 / amax))
 // (|q| <= 127; all zeros where amax is 0; a NaN or infinity makes dx NaN, so the outputs are NaN, as in fp32).
-// The weights are the GGUF's values in their factored form: Q4_K / Q5_K w = d sc_s q - dmin m_s, Q6_K
-// w = d sc_g (q - 32), so
-//     y = sum_b dx_b d_b S_b  -  sum_b sum_s (dmin_b m_s) (dx_b xsum_s)          (the second term Q4_K / Q5_K only)
-// with S_b = sum_s sc_s (q_w . q_x)_s (Q6_K: minus 32 sum_g sc_g xsum_g) an exact integer. The only roundings are
-// fp32's in the combination, in one fixed order: S_b is kept as 16 int32 lanes (lane l: the products of bytes
-// 4l .. 4l + 3 of each of the super-block's four 64-weight units; Q6_K's offset term in lanes 0-7), converted
-// and fused-multiply-added with the fp32 product d * dx into 16 fp32 lanes, then (Q4_K / Q5_K) the mins term of
-// sub-block s fused-multiply-subtracted from lane s; at the end the 16 lanes are added pairwise (8, 4, 2, 1
-// apart). Every
-// level computes these same bits (avx512 in zmm, avx2 in pairs of ymm, generic lane by lane).
 //
-// The 64 weights of unit u are unsigned (0..15, 0..31, 0..63) in byte lanes; maddubs (u8 x s8 -> pairs summed in
-// int16, at most 2 * 63 * 127, so never saturated) and a multiply-add of int16 pairs with the sub-block scales
-// (vpdpwssd at avx512, vpmaddwd + add at avx2) accumulate them. Q4_K / Q5_K units take their nibbles from 64 bytes
-// at once, so unit u holds sub-blocks kUnitK[u] (two of 32): x is stored in that order when it is quantized.
+// The weights are read from tiles (graphspec.kernels.qlinear.pack_a8): 16 weight rows interleaved per super-block,
+// decoded. The quants' low 4 bits are in 32 runs of 64 bytes: run j, bytes 4r .. 4r + 3 hold quad j (weights
+// 4j .. 4j + 3) of row r in their low nibbles and quad j + 32 in their high ones. Q5_K's fifth bits are in 8 runs
+// (bit t of run h: quad h + 8t), Q6_K's top two bits in 16 (bits 2t, 2t + 1 of run h: quad h + 16t). The scales,
+// mins, d and dmin of the 16 rows lie side by side. So one vector of the tile times the broadcast int8 quad of x
+// (vpdpbusd) makes 4 products for each of 16 rows, and nothing is reduced across lanes: lane r is output row r.
+// The runs and scales are stored in the order the kernels read them (sub-block pair by pair), so a tile row is
+// one sequential stream, which the hardware prefetchers follow (Q6_K read its regions alternately at first and
+// streamed from memory at half the speed).
+//
+// Per output row and super-block, exact integers:
+//   Q4_K / Q5_K  S = sum_s sc_s D_s,  Mn = sum_s m_s X_s    (D_s = sum of sub-block s's 32 products, X_s = sum of
+//                                                            its 32 q; sc, m the six-bit scales and mins)
+//   Q6_K         S = sum_g sc_g (D_g - 32 X_g)               (g: the 16 groups of 16; sc signed int8)
+// then, in fp32 and in this order (fused multiply-adds, one rounding each):
+//   acc = fma(float(S), d * dx, acc);   Q4_K / Q5_K: acc = fma(-float(Mn), dmin * dx, acc)
+// over b = 0, 1, ..., and y = acc (+ bias). float(S) is exact while |S| < 2^24. Every level computes these bits
+// (avx512 with vpdpbusd + vpmulld on 16 rows, avx2 with vpmaddubsw + vpmaddwd on 8, generic row by row), and a
+// row's bits do not depend on the other rows, the row count or the threads.
 
-constexpr int kUnitK[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+#ifndef GS_INLINE
+#define GS_INLINE inline
+#endif
 
-constexpr bool is_k(int64_t T) { return T == Q4_K || T == Q5_K || T == Q6_K; }
+constexpr int kTileRows = 16;
+template <int T>
+constexpr int64_t kTileBytes = T == Q4_K ? 2368 : T == Q5_K ? 2880 : 3360;  // 16 rows of one super-block
+template <int T>
+constexpr int kHighBase = T == Q5_K ? 512 : 0;  // Q5_K's 8 high runs come first: every pass reads them
+// Byte offsets in a tile. Q4_K / Q5_K: pass s (0..3) = runs 8s .. 8s + 7, then the scales of sub-blocks s and
+// s + 4; then the mins, d, dmin. Q6_K: pass p (0..3) = runs 4p .. 4p + 3, runs 4p + 16 .. 4p + 19, high runs
+// 4p .. 4p + 3, the scales of groups p, p + 8, p + 4, p + 12; then d.
+template <int T>
+constexpr int nib_off(int j) {
+  return T == Q6_K ? 832 * ((j % 16) / 4) + 256 * (j / 16) + 64 * (j % 4) : kHighBase<T> + 544 * (j / 8) + 64 * (j % 8);
+}
+template <int T>
+constexpr int high_off(int h) { return T == Q6_K ? 832 * (h / 4) + 512 + 64 * (h % 4) : 64 * h; }
+constexpr int kQ6Slot[4] = {0, 2, 1, 3};  // a Q6_K pass's scale slot for groups 4a .. 4a + 3
+template <int T>
+constexpr int sc_off(int s) {  // the 16 rows' scales of sub-block (Q6_K: group) s
+  return T == Q6_K ? 832 * (s % 4) + 768 + 16 * kQ6Slot[s / 4] : kHighBase<T> + 544 * (s % 4) + 512 + 16 * (s / 4);
+}
+template <int T>
+constexpr int kMnOff = kHighBase<T> + 2176;  // Q4_K / Q5_K mins: [4 pairs][16 rows][sub-blocks 2p, 2p + 1]
+template <int T>
+constexpr int kDOff = T == Q6_K ? 3328 : kHighBase<T> + 2304;  // d: [16 rows] fp16, then (Q4_K / Q5_K) dmin
+template <int T>
+constexpr int kSums = T == Q6_K ? 16 : 8;  // the sums of q per super-block the weights need (X above)
 
 // The activations of M rows, quantized per super-block (see above).
 struct XA8 {
-  std::vector<int8_t> q;     // [M, K]: super-block b's 256 values, Q4_K / Q5_K in unit order
-  std::vector<float> dx;     // [M, K / 256]
-  std::vector<float> mt;     // Q4_K / Q5_K: [M, K / 256, 8]: dx * (sum of sub-block s's 32 q), s in natural order
-  std::vector<int16_t> xs;   // Q6_K: [M, K / 256, 16]: sums of each 16 q
+  std::vector<int8_t> q;    // [M, K]
+  std::vector<float> dx;    // [M, K / 256]
+  std::vector<int16_t> xs;  // [M, K / 256, kSums]: the sums of each 32 (Q4_K / Q5_K) or 16 (Q6_K) q
 };
 
 template <int T>
 void quantize_a8(const float* __restrict x, int64_t m, int64_t k, XA8& a) {
   const int64_t nsb = k / 256;
+  constexpr int span = 256 / kSums<T>;
   a.q.resize(static_cast<size_t>(m * k));
   a.dx.resize(static_cast<size_t>(m * nsb));
-  if constexpr (T == Q6_K) a.xs.resize(static_cast<size_t>(m * nsb * 16));
-  else a.mt.resize(static_cast<size_t>(m * nsb * 8));
+  a.xs.resize(static_cast<size_t>(m * nsb * kSums<T>));
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nsb; ++b) {
       const float* xb = x + r * k + b * 256;
@@ -536,322 +566,332 @@ void quantize_a8(const float* __restrict x, int64_t m, int64_t k, XA8& a) {
         probe += xb[j] * 0.0f;  // NaN where any value is NaN or infinite
       }
       const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const float dx = amax / 127.0f + probe;
-      a.dx[r * nsb + b] = dx;
+      a.dx[r * nsb + b] = amax / 127.0f + probe;
       int8_t* qb = a.q.data() + r * k + b * 256;
-      int32_t sums[8];
-      for (int slot = 0; slot < 8; ++slot) {
-        const int s = T == Q6_K ? slot : kUnitK[slot / 2][slot % 2];
-        const float* src = xb + 32 * s;
-        int8_t* dst = qb + 32 * slot;
+      int16_t* xs = a.xs.data() + (r * nsb + b) * kSums<T>;
+      for (int s = 0; s < kSums<T>; ++s) {
         int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < 32; ++j) {
-          const int v = static_cast<int>(std::nearbyint(src[j] * id));
-          dst[j] = static_cast<int8_t>(v);
+        for (int j = 0; j < span; ++j) {
+          const int v = static_cast<int>(std::nearbyint(xb[span * s + j] * id));
+          qb[span * s + j] = static_cast<int8_t>(v);
           sum += v;
         }
-        sums[s] = sum;
-      }
-      if constexpr (T == Q6_K) {
-        int16_t* xs = a.xs.data() + (r * nsb + b) * 16;
-        for (int g = 0; g < 16; ++g) {
-          int32_t s = 0;
-          for (int j = 0; j < 16; ++j) s += qb[16 * g + j];
-          xs[g] = static_cast<int16_t>(s);
-        }
-      } else {
-        float* mt = a.mt.data() + (r * nsb + b) * 8;
-        for (int s = 0; s < 8; ++s) mt[s] = dx * static_cast<float>(sums[s]);
+        xs[s] = static_cast<int16_t>(sum);
       }
     }
   }
 }
 
-// Which of the super-block's scales multiplies int16 lane i (bytes 2i, 2i + 1) of unit u: Q4_K / Q5_K lanes 0-15
-// sub-block kUnitK[u][0], 16-31 kUnitK[u][1]; Q6_K (sixteen scales of 16 weights) lanes 8j .. 8j + 7 scale 4u + j.
-template <int T>
-constexpr int unit_scale_index(int u, int i) { return T == Q6_K ? 4 * u + i / 8 : kUnitK[u][i / 16]; }
+GS_INLINE int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
-// The same as shuffle indices: int16 lanes (vpermw) and byte lanes of each 16-lane half (vpshufb).
-template <int T>
-struct UnitIndex {
-  alignas(64) int16_t w[4][32] = {};
-  alignas(16) int8_t b[4][32] = {};
-  constexpr UnitIndex() {
-    for (int u = 0; u < 4; ++u)
-      for (int i = 0; i < 32; ++i) {
-        w[u][i] = static_cast<int16_t>(unit_scale_index<T>(u, i));
-        b[u][i] = static_cast<int8_t>(unit_scale_index<T>(u, i));
-      }
-  }
-};
-template <int T>
-constexpr UnitIndex<T> kUnitIndex{};
-
-// The integer and fp32 lanes a8 needs, per level. U8V: 64 bytes; I16V: 32 int16; I32V / F32V: 16 lanes.
 #if GS_AVX512
-struct U8V { __m512i v; };
-struct I16V { __m512i v; };
-struct I32V { __m512i v; };
-struct F32V { __m512 v; };
-GS_INLINE U8V u8_load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
-GS_INLINE U8V lo4(U8V a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
-GS_INLINE U8V hi4(U8V a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
-GS_INLINE U8V or8(U8V a, U8V b) { return {_mm512_or_si512(a.v, b.v)}; }
-// bytes 0-31: ((h[l] >> s0) & mask) << 4, bytes 32-63: the same with s1 (h: 32 bytes)
-GS_INLINE U8V high_bits(const uint8_t* h, int s0, int s1, int mask) {
-  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-  const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(s0)), _mm256_set1_epi16(static_cast<int16_t>(s1)), 1);
-  return {_mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(v, sh), _mm512_set1_epi8(static_cast<char>(mask))), 4)};
+// Q5_K: bit `bit` of each byte of h moved to bit 4 (16-bit shifts; the mask drops what crosses between bytes).
+template <int bit>
+GS_INLINE __m512i bit_to4(__m512i h) {
+  const __m512i m = _mm512_set1_epi8(0x10);
+  if constexpr (bit < 4) return _mm512_and_si512(_mm512_slli_epi16(h, 4 - bit), m);
+  else if constexpr (bit > 4) return _mm512_and_si512(_mm512_srli_epi16(h, bit - 4), m);
+  else return _mm512_and_si512(h, m);
 }
-GS_INLINE I16V maddubs(U8V w, const int8_t* x) { return {_mm512_maddubs_epi16(w.v, _mm512_loadu_si512(x))}; }
-GS_INLINE I32V i32_zero() { return {_mm512_setzero_si512()}; }
-GS_INLINE I32V dpwssd(I32V acc, I16V a, I16V b) { return {_mm512_dpwssd_epi32(acc.v, a.v, b.v)}; }
-// int16 lane i of unit u's scales = scale idx[u][i] of the super-block (one vpermw each)
-template <int T>
-GS_INLINE void unit_scales(const uint8_t* sc, I16V* out) {
-  __m512i v;
-  if constexpr (T == Q6_K) v = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
-  else v = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-  for (int u = 0; u < 4; ++u) out[u] = {_mm512_permutexvar_epi16(_mm512_load_si512(kUnitIndex<T>.w[u]), v)};
-}
-// lanes 0-7 -= 32 * (sc[2l] xs[2l] + sc[2l + 1] xs[2l + 1])
-GS_INLINE I32V sub_offset(I32V acc, const int8_t* sc, const int16_t* xs) {
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-  const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))), 5);
-  return {_mm512_sub_epi32(acc.v, _mm512_zextsi256_si512(c))};
-}
-GS_INLINE F32V f32_zero() { return {_mm512_setzero_ps()}; }
-GS_INLINE F32V fma_cvt(I32V a, float t, F32V acc) { return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(a.v), _mm512_set1_ps(t), acc.v)}; }
-GS_INLINE void f32_store(float* p, F32V a) { _mm512_storeu_ps(p, a.v); }
-#define GS_F8_AVX 1
-#elif GS_AVX2
-struct U8V { __m256i lo, hi; };
-struct I16V { __m256i lo, hi; };
-struct I32V { __m256i lo, hi; };
-struct F32V { __m256 lo, hi; };
-GS_INLINE U8V u8_load(const uint8_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-}
-GS_INLINE U8V lo4(U8V a) { const __m256i m = _mm256_set1_epi8(0x0F); return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)}; }
-GS_INLINE U8V hi4(U8V a) {
-  const __m256i m = _mm256_set1_epi8(0x0F);
-  return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
-}
-GS_INLINE U8V or8(U8V a, U8V b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
-GS_INLINE U8V high_bits(const uint8_t* h, int s0, int s1, int mask) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
-  const __m256i mk = _mm256_set1_epi8(static_cast<char>(mask));
-  return {_mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s0)), mk), 4),
-          _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s1)), mk), 4)};
-}
-GS_INLINE I16V maddubs(U8V w, const int8_t* x) {
-  return {_mm256_maddubs_epi16(w.lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-          _mm256_maddubs_epi16(w.hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)))};
-}
-GS_INLINE I32V i32_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-GS_INLINE I32V dpwssd(I32V acc, I16V a, I16V b) {
-  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
-}
-template <int T>
-GS_INLINE void unit_scales(const uint8_t* sc, I16V* out) {
-  // the scale bytes picked per int16 lane with vpshufb, then widened: 16 lanes a half
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-  for (int u = 0; u < 4; ++u) {
-    const __m128i a = _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const __m128i*>(kUnitIndex<T>.b[u])));
-    const __m128i b = _mm_shuffle_epi8(v, _mm_load_si128(reinterpret_cast<const __m128i*>(kUnitIndex<T>.b[u] + 16)));
-    if constexpr (T == Q6_K) out[u] = {_mm256_cvtepi8_epi16(a), _mm256_cvtepi8_epi16(b)};
-    else out[u] = {_mm256_cvtepu8_epi16(a), _mm256_cvtepu8_epi16(b)};
-  }
-}
-GS_INLINE I32V sub_offset(I32V acc, const int8_t* sc, const int16_t* xs) {
-  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-  const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs))), 5);
-  return {_mm256_sub_epi32(acc.lo, c), acc.hi};
-}
-GS_INLINE F32V f32_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-GS_INLINE F32V fma_cvt(I32V a, float t, F32V acc) {
-  const __m256 tv = _mm256_set1_ps(t);
-  return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(a.lo), tv, acc.lo), _mm256_fmadd_ps(_mm256_cvtepi32_ps(a.hi), tv, acc.hi)};
-}
-GS_INLINE void f32_store(float* p, F32V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
-#define GS_F8_AVX 1
-#else
-#define GS_INLINE inline
-struct U8V { uint8_t v[64]; };
-struct I16V { int16_t v[32]; };
-struct I32V { int32_t v[16]; };
-struct F32V { float v[16]; };
-inline U8V u8_load(const uint8_t* p) { U8V r; std::memcpy(r.v, p, 64); return r; }
-inline U8V lo4(U8V a) { for (auto& b : a.v) b &= 0x0F; return a; }
-inline U8V hi4(U8V a) { for (auto& b : a.v) b = static_cast<uint8_t>(b >> 4); return a; }
-inline U8V or8(U8V a, U8V b) { for (int i = 0; i < 64; ++i) a.v[i] |= b.v[i]; return a; }
-inline U8V high_bits(const uint8_t* h, int s0, int s1, int mask) {
-  U8V r;
-  for (int i = 0; i < 32; ++i) {
-    r.v[i] = static_cast<uint8_t>(((h[i] >> s0) & mask) << 4);
-    r.v[32 + i] = static_cast<uint8_t>(((h[i] >> s1) & mask) << 4);
-  }
-  return r;
-}
-inline I16V maddubs(U8V w, const int8_t* x) {
-  I16V r;
-  for (int i = 0; i < 32; ++i) r.v[i] = static_cast<int16_t>(w.v[2 * i] * x[2 * i] + w.v[2 * i + 1] * x[2 * i + 1]);
-  return r;
-}
-inline I32V i32_zero() { return I32V{}; }
-inline I32V dpwssd(I32V acc, I16V a, I16V b) {
-  for (int l = 0; l < 16; ++l) acc.v[l] += a.v[2 * l] * b.v[2 * l] + a.v[2 * l + 1] * b.v[2 * l + 1];
-  return acc;
-}
-template <int T>
-inline void unit_scales(const uint8_t* sc, I16V* out) {
-  for (int u = 0; u < 4; ++u)
-    for (int i = 0; i < 32; ++i) {
-      const int j = unit_scale_index<T>(u, i);
-      out[u].v[i] = T == Q6_K ? static_cast<int16_t>(static_cast<int8_t>(sc[j])) : static_cast<int16_t>(sc[j]);
-    }
-}
-inline I32V sub_offset(I32V acc, const int8_t* sc, const int16_t* xs) {
-  for (int l = 0; l < 8; ++l) acc.v[l] -= 32 * (sc[2 * l] * xs[2 * l] + sc[2 * l + 1] * xs[2 * l + 1]);
-  return acc;
-}
-inline F32V f32_zero() { return F32V{}; }
-inline F32V fma_cvt(I32V a, float t, F32V acc) {
-  for (int l = 0; l < 16; ++l) acc.v[l] = std::fma(static_cast<float>(a.v[l]), t, acc.v[l]);
-  return acc;
-}
-inline void f32_store(float* p, F32V a) { std::memcpy(p, a.v, 64); }
-#endif
 
-// 8 fp32 lanes: the Q4_K / Q5_K mins of a super-block, lane s for sub-block s, subtracted from lanes 0-7.
-#ifdef GS_F8_AVX
-struct F8V { __m256 v; };
-GS_INLINE F8V f8_zero() { return {_mm256_setzero_ps()}; }
-GS_INLINE F8V f8_scaled(const uint8_t* m, float d) {  // d * m[s], the mins' bytes
-  return {_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)))))};
-}
-// lanes 0-7 of acc minus a * b[0..8) (one rounding each), lanes 8-15 unchanged
-GS_INLINE F32V fnma8(F8V a, const float* b, F32V acc) {
-#if GS_AVX512
-  return {_mm512_mask3_fnmadd_ps(_mm512_castps256_ps512(a.v), _mm512_castps256_ps512(_mm256_loadu_ps(b)), acc.v, 0x00FF)};
-#else
-  return {_mm256_fnmadd_ps(a.v, _mm256_loadu_ps(b), acc.lo), acc.hi};
-#endif
-}
-#else
-struct F8V { float v[8]; };
-inline F8V f8_zero() { return F8V{}; }
-inline F8V f8_scaled(const uint8_t* m, float d) { F8V r; for (int s = 0; s < 8; ++s) r.v[s] = d * static_cast<float>(m[s]); return r; }
-inline F32V fnma8(F8V a, const float* b, F32V acc) {
-  for (int s = 0; s < 8; ++s) acc.v[s] = std::fma(-a.v[s], b[s], acc.v[s]);
-  return acc;
-}
-#endif
-
-// One weight row of a k-quant times M rows of quantized x (see the top of this section).
-template <int T, int M>
-void row_dot_a8(const uint8_t* __restrict row, const XA8& a, int64_t k, const int64_t* rows, float* __restrict out) {
-  const int64_t nsb = k / 256;
-  F32V acc[M];
-  const int8_t* xq[M];
-  for (int m = 0; m < M; ++m) {
-    xq[m] = a.q.data() + rows[m] * k;
-    acc[m] = f32_zero();
-  }
-  for (int64_t b = 0; b < nsb; ++b) {
-    const uint8_t* p = row + b * kTypeSize[T];
-    U8V w[4];
-    I16V sc[4];
-    float d;
-    F8V dm = f8_zero();
-    const int8_t* sc6 = nullptr;
+// One tile row (16 weight rows, nsb super-blocks) times G rows of x; acc[m] lane r: output row r of x row m.
+template <int T, int G>
+GS_INLINE void tile_a8(const uint8_t* __restrict t, int64_t nsb, const int8_t* const* xq, const float* const* dx,
+                       const int16_t* const* xs, __m512* acc) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  (void)m30;
+  for (int64_t b = 0; b < nsb; ++b, t += kTileBytes<T>) {
+    __m512i S[G];
+    for (int m = 0; m < G; ++m) S[m] = _mm512_setzero_si512();
     if constexpr (T == Q6_K) {
-      d = h2f(p + 208);
-      sc6 = reinterpret_cast<const int8_t*>(p + 192);
-      for (int h = 0; h < 2; ++h) {
-        const U8V l = u8_load(p + 64 * h);
-        w[2 * h] = or8(lo4(l), high_bits(p + 128 + 32 * h, 0, 2, 3));
-        w[2 * h + 1] = or8(hi4(l), high_bits(p + 128 + 32 * h, 4, 6, 3));
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {  // groups p, p + 8 (runs 4p.., low and high nibbles), p + 4, p + 12 (4p + 16..)
+        __m512i D[G][4];
+        for (int m = 0; m < G; ++m) D[m][0] = D[m][1] = D[m][2] = D[m][3] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const int j = 4 * p + i;
+          const __m512i va = _mm512_loadu_si512(t + nib_off<T>(j)), vb = _mm512_loadu_si512(t + nib_off<T>(j + 16));
+          const __m512i h = _mm512_loadu_si512(t + high_off<T>(j));
+          const __m512i w[4] = {
+              _mm512_or_si512(_mm512_and_si512(va, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(va, 4), m4), _mm512_and_si512(h, m30)),
+              _mm512_or_si512(_mm512_and_si512(vb, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(vb, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30))};
+          for (int m = 0; m < G; ++m) {
+            const int8_t* x = xq[m] + b * 256 + 4 * j;  // quads j, j + 32, j + 16, j + 48
+            D[m][0] = _mm512_dpbusd_epi32(D[m][0], w[0], _mm512_set1_epi32(load_i32(x)));
+            D[m][1] = _mm512_dpbusd_epi32(D[m][1], w[1], _mm512_set1_epi32(load_i32(x + 128)));
+            D[m][2] = _mm512_dpbusd_epi32(D[m][2], w[2], _mm512_set1_epi32(load_i32(x + 64)));
+            D[m][3] = _mm512_dpbusd_epi32(D[m][3], w[3], _mm512_set1_epi32(load_i32(x + 192)));
+          }
+        }
+        const int grp[4] = {p, p + 8, p + 4, p + 12};
+        for (int q = 0; q < 4; ++q) {
+          const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + sc_off<T>(grp[q]))));
+          for (int m = 0; m < G; ++m) {
+            const __m512i e = _mm512_sub_epi32(D[m][q], _mm512_set1_epi32(32 * xs[m][b * 16 + grp[q]]));
+            S[m] = _mm512_add_epi32(S[m], _mm512_mullo_epi32(e, c));
+          }
+        }
       }
-      unit_scales<T>(p + 192, sc);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T>)));
+      for (int m = 0; m < G; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[m]), _mm512_mul_ps(d, _mm512_set1_ps(dx[m][b])), acc[m]);
     } else {
-      d = h2f(p);
-      const float dmin = h2f(p + 2);
-      uint8_t f[16];
-      k_fields(p + 4, f);
-      dm = f8_scaled(f + 8, dmin);
-      const uint8_t* qs = p + (T == Q4_K ? 16 : 48);
-      for (int h = 0; h < 2; ++h) {
-        const U8V l = u8_load(qs + 64 * h);
-        w[2 * h] = lo4(l);
-        w[2 * h + 1] = hi4(l);
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {  // sub-blocks s (low nibbles of runs 8s ..) and s + 4 (their high nibbles)
+        __m512i D0[G], D1[G];
+        for (int m = 0; m < G; ++m) D0[m] = D1[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const int j = 8 * s + i;
+          const __m512i v = _mm512_loadu_si512(t + nib_off<T>(j));
+          __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+          if constexpr (T == Q5_K) {  // high run i: bit s (quad j), bit s + 4 (quad j + 32)
+            const __m512i h = _mm512_loadu_si512(t + high_off<T>(i));
+            switch (s) {
+              case 0: lo = _mm512_or_si512(lo, bit_to4<0>(h)); hi = _mm512_or_si512(hi, bit_to4<4>(h)); break;
+              case 1: lo = _mm512_or_si512(lo, bit_to4<1>(h)); hi = _mm512_or_si512(hi, bit_to4<5>(h)); break;
+              case 2: lo = _mm512_or_si512(lo, bit_to4<2>(h)); hi = _mm512_or_si512(hi, bit_to4<6>(h)); break;
+              default: lo = _mm512_or_si512(lo, bit_to4<3>(h)); hi = _mm512_or_si512(hi, bit_to4<7>(h)); break;
+            }
+          }
+          for (int m = 0; m < G; ++m) {
+            D0[m] = _mm512_dpbusd_epi32(D0[m], lo, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j)));
+            D1[m] = _mm512_dpbusd_epi32(D1[m], hi, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 128 + 4 * j)));
+          }
+        }
+        const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + sc_off<T>(s))));
+        const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + sc_off<T>(s + 4))));
+        for (int m = 0; m < G; ++m)
+          S[m] = _mm512_add_epi32(S[m], _mm512_add_epi32(_mm512_mullo_epi32(D0[m], c0), _mm512_mullo_epi32(D1[m], c1)));
       }
-      if constexpr (T == Q5_K)
-        for (int u = 0; u < 4; ++u) w[u] = or8(w[u], high_bits(p + 16, kUnitK[u][0], kUnitK[u][1], 1));
-      unit_scales<T>(f, sc);
-    }
-    // up to 4 rows at a time, unit by unit: the rows' independent chains side by side for the scheduler, and
-    // few enough live registers that nothing spills at 8 rows
-    for (int m0 = 0; m0 < M; m0 += 4) {
-      constexpr int kGroup = M < 4 ? M : 4;
-      const int g = M - m0 < kGroup ? M - m0 : kGroup;
-      I32V s[kGroup];
-      for (int i = 0; i < kGroup; ++i) s[i] = i32_zero();
-      for (int u = 0; u < 4; ++u)
-        for (int i = 0; i < kGroup; ++i)
-          if (i < g) s[i] = dpwssd(s[i], maddubs(w[u], xq[m0 + i] + b * 256 + 64 * u), sc[u]);
-      for (int i = 0; i < kGroup; ++i) {
-        if (i >= g) break;
-        const int m = m0 + i;
-        const int64_t r = rows[m];
-        if constexpr (T == Q6_K) s[i] = sub_offset(s[i], sc6, a.xs.data() + (r * nsb + b) * 16);
-        acc[m] = fma_cvt(s[i], d * a.dx[r * nsb + b], acc[m]);
-        if constexpr (T != Q6_K) acc[m] = fnma8(dm, a.mt.data() + (r * nsb + b) * 8, acc[m]);
+      __m512i Mn[G];
+      for (int m = 0; m < G; ++m) Mn[m] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {  // mins of sub-blocks 2p, 2p + 1 (int16 pairs) times their sums of q
+        const __m512i mz = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kMnOff<T> + 32 * p)));
+        for (int m = 0; m < G; ++m)
+          Mn[m] = _mm512_dpwssd_epi32(Mn[m], mz, _mm512_set1_epi32(load_i32(xs[m] + b * 8 + 2 * p)));
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T>)));
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T> + 32)));
+      for (int m = 0; m < G; ++m) {
+        const __m512 x = _mm512_set1_ps(dx[m][b]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[m]), _mm512_mul_ps(d, x), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Mn[m]), _mm512_mul_ps(dmin, x), acc[m]);
       }
     }
-  }
-  for (int m = 0; m < M; ++m) {
-    float l[16];
-    f32_store(l, acc[m]);
-    for (int width = 8; width >= 1; width /= 2)
-      for (int i = 0; i < width; ++i) l[i] = l[i] + l[i + width];
-    out[m] = l[0];
   }
 }
 
-template <int T, int M>
-void rows_range_a8(const uint8_t* blocks, int64_t row_bytes, const XA8& a, int64_t k, const int64_t* rows,
-                   int64_t n0, int64_t n1, int64_t n, const float* bias, float* y) {
-  float out[M];
-  for (int64_t j = n0; j < n1; ++j) {
-    row_dot_a8<T, M>(blocks + j * row_bytes, a, k, rows, out);
-    for (int m = 0; m < M; ++m) y[rows[m] * n + j] = bias ? out[m] + bias[j] : out[m];
-  }
+#elif GS_AVX2
+template <int bit>
+GS_INLINE __m256i bit_to4(__m256i h) {
+  const __m256i m = _mm256_set1_epi8(0x10);
+  if constexpr (bit < 4) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - bit), m);
+  else if constexpr (bit > 4) return _mm256_and_si256(_mm256_srli_epi16(h, bit - 4), m);
+  else return _mm256_and_si256(h, m);
 }
 
-using RangeA8Fn = void (*)(const uint8_t*, int64_t, const XA8&, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                           const float*, float*);
+// The 8 rows' scales of one sub-block (16 bytes at p, rows from `rh`) in both int16 halves of each row's lane, so
+// that vpmaddwd of a quad's pair sums with them is sc * (the quad's sum).
+template <bool is_signed>
+GS_INLINE __m256i scale_pairs(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i c = is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  return _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c, 16));
+}
+
+// avx2: each half of the tile (rows 0-7, 8-15) on its own, 8 rows a ymm. No vpdpbusd: vpmaddubsw (pairs in int16,
+// at most 2 * 63 * 127, never saturated) then vpmaddwd with scale_pairs: the same integer S.
+template <int T, int G>
+GS_INLINE void tile_a8_half(const uint8_t* __restrict t, int half, int64_t nsb, const int8_t* const* xq,
+                            const float* const* dx, const int16_t* const* xs, __m256* acc) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  (void)m30;
+  const int hb = 32 * half;  // byte offset of the half in a 64-byte run
+  const int rh = 8 * half;   // its first row
+  for (int64_t b = 0; b < nsb; ++b, t += kTileBytes<T>) {
+    __m256i S[G];
+    for (int m = 0; m < G; ++m) S[m] = _mm256_setzero_si256();
+    if constexpr (T == Q6_K) {
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const int grp[4] = {p, p + 8, p + 4, p + 12};
+        __m256i c[4];
+        for (int q = 0; q < 4; ++q) c[q] = scale_pairs<true>(t + sc_off<T>(grp[q]) + rh);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const int j = 4 * p + i;
+          const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(j) + hb));
+          const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(j + 16) + hb));
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + high_off<T>(j) + hb));
+          const __m256i w[4] = {
+              _mm256_or_si256(_mm256_and_si256(va, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(va, 4), m4), _mm256_and_si256(h, m30)),
+              _mm256_or_si256(_mm256_and_si256(vb, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vb, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
+          constexpr int xoff[4] = {0, 128, 64, 192};
+          for (int m = 0; m < G; ++m)
+            for (int q = 0; q < 4; ++q) {
+              const __m256i pr = _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j + xoff[q])));
+              S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(pr, c[q]));
+            }
+        }
+        for (int q = 0; q < 4; ++q) {  // minus 32 sc_g X_g, the offset of the six-bit quants
+          const __m256i e = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + sc_off<T>(grp[q]) + rh)));
+          for (int m = 0; m < G; ++m)
+            S[m] = _mm256_sub_epi32(S[m], _mm256_mullo_epi32(e, _mm256_set1_epi32(32 * xs[m][b * 16 + grp[q]])));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kDOff<T> + 2 * rh)));
+      for (int m = 0; m < G; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, _mm256_set1_ps(dx[m][b])), acc[m]);
+    } else {
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m256i c0 = scale_pairs<false>(t + sc_off<T>(s) + rh), c1 = scale_pairs<false>(t + sc_off<T>(s + 4) + rh);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const int j = 8 * s + i;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(j) + hb));
+          __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          if constexpr (T == Q5_K) {
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + high_off<T>(i) + hb));
+            switch (s) {
+              case 0: lo = _mm256_or_si256(lo, bit_to4<0>(h)); hi = _mm256_or_si256(hi, bit_to4<4>(h)); break;
+              case 1: lo = _mm256_or_si256(lo, bit_to4<1>(h)); hi = _mm256_or_si256(hi, bit_to4<5>(h)); break;
+              case 2: lo = _mm256_or_si256(lo, bit_to4<2>(h)); hi = _mm256_or_si256(hi, bit_to4<6>(h)); break;
+              default: lo = _mm256_or_si256(lo, bit_to4<3>(h)); hi = _mm256_or_si256(hi, bit_to4<7>(h)); break;
+            }
+          }
+          for (int m = 0; m < G; ++m) {
+            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j)));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 128 + 4 * j)));
+            S[m] = _mm256_add_epi32(S[m], _mm256_add_epi32(_mm256_madd_epi16(p0, c0), _mm256_madd_epi16(p1, c1)));
+          }
+        }
+      }
+      __m256i Mn[G];
+      for (int m = 0; m < G; ++m) Mn[m] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i mz = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kMnOff<T> + 32 * p + 2 * rh)));
+        for (int m = 0; m < G; ++m)
+          Mn[m] = _mm256_add_epi32(Mn[m], _mm256_madd_epi16(mz, _mm256_set1_epi32(load_i32(xs[m] + b * 8 + 2 * p))));
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kDOff<T> + 2 * rh)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kDOff<T> + 32 + 2 * rh)));
+      for (int m = 0; m < G; ++m) {
+        const __m256 x = _mm256_set1_ps(dx[m][b]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, x), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(Mn[m]), _mm256_mul_ps(dmin, x), acc[m]);
+      }
+    }
+  }
+}
+#endif
+
+// Quant J (0..63: weights 4J .. 4J + 3) of row r, byte i, of a tile: its full value (0..15, 0..31, 0..63).
 template <int T>
-constexpr RangeA8Fn kRangeA8[kMaxRows + 1] = {nullptr, rows_range_a8<T, 1>, rows_range_a8<T, 2>, rows_range_a8<T, 3>,
-                                              rows_range_a8<T, 4>, rows_range_a8<T, 5>, rows_range_a8<T, 6>,
-                                              rows_range_a8<T, 7>, rows_range_a8<T, 8>};
+inline int tile_quant(const uint8_t* t, int quad, int r, int i) {
+  const uint8_t byte = t[nib_off<T>(quad % 32) + 4 * r + i];
+  int w = quad < 32 ? byte & 0x0F : byte >> 4;
+  if constexpr (T == Q5_K) w |= ((t[high_off<T>(quad % 8) + 4 * r + i] >> (quad / 8)) & 1) << 4;
+  if constexpr (T == Q6_K) w |= ((t[high_off<T>(quad % 16) + 4 * r + i] >> (2 * (quad / 16))) & 3) << 4;
+  return w;
+}
+
+#if !GS_AVX512 && !GS_AVX2
+// One weight row (row r of each tile) times one row of x, lane by lane: the generic level. The same integers and
+// the same fp32 operations as above.
+template <int T>
+float row_a8(const uint8_t* __restrict t, int r, int64_t nsb, const int8_t* xq, const float* dx, const int16_t* xs) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nsb; ++b, t += kTileBytes<T>) {
+    constexpr int span = T == Q6_K ? 16 : 32;  // weights per sub-block
+    int32_t D[256 / span] = {};
+    for (int quad = 0; quad < 64; ++quad)
+      for (int i = 0; i < 4; ++i) D[4 * quad / span] += tile_quant<T>(t, quad, r, i) * xq[b * 256 + 4 * quad + i];
+    int32_t S = 0;
+    if constexpr (T == Q6_K) {
+      for (int g = 0; g < 16; ++g) S += static_cast<int8_t>(t[sc_off<T>(g) + r]) * (D[g] - 32 * xs[b * 16 + g]);
+    } else {
+      for (int s = 0; s < 8; ++s) S += t[sc_off<T>(s) + r] * D[s];
+    }
+    const float dxb = dx[b];
+    acc = std::fma(static_cast<float>(S), h2f(t + kDOff<T> + 2 * r) * dxb, acc);
+    if constexpr (T != Q6_K) {
+      int32_t Mn = 0;
+      for (int s = 0; s < 8; ++s) Mn += t[kMnOff<T> + 32 * (s / 2) + 2 * r + s % 2] * xs[b * 8 + s];
+      acc = std::fma(-static_cast<float>(Mn), h2f(t + kDOff<T> + 32 + 2 * r) * dxb, acc);
+    }
+  }
+  return acc;
+}
+#endif
+
+// Tile row g (16 weight rows) times rows r0 .. r0 + G - 1 of x.
+template <int T, int G>
+void tiles_pass(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, int64_t r0, int64_t g, int64_t n,
+                const float* bias, float* y) {
+  const int8_t* xq[G];
+  const float* dx[G];
+  const int16_t* xs[G];
+  for (int m = 0; m < G; ++m) {
+    xq[m] = a.q.data() + (r0 + m) * k;
+    dx[m] = a.dx.data() + (r0 + m) * nsb;
+    xs[m] = a.xs.data() + (r0 + m) * nsb * kSums<T>;
+  }
+  const uint8_t* t = tiles + g * nsb * kTileBytes<T>;
+  float out[G][kTileRows];
+#if GS_AVX512
+  __m512 acc[G];
+  for (int m = 0; m < G; ++m) acc[m] = _mm512_setzero_ps();
+  tile_a8<T, G>(t, nsb, xq, dx, xs, acc);
+  for (int m = 0; m < G; ++m) _mm512_storeu_ps(out[m], acc[m]);
+#elif GS_AVX2
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[G];
+    for (int m = 0; m < G; ++m) acc[m] = _mm256_setzero_ps();
+    tile_a8_half<T, G>(t, half, nsb, xq, dx, xs, acc);
+    for (int m = 0; m < G; ++m) _mm256_storeu_ps(out[m] + 8 * half, acc[m]);
+  }
+#else
+  for (int m = 0; m < G; ++m)
+    for (int r = 0; r < kTileRows; ++r) out[m][r] = row_a8<T>(t, r, nsb, xq[m], dx[m], xs[m]);
+#endif
+  const int64_t rows = std::min<int64_t>(kTileRows, n - g * kTileRows);
+  for (int m = 0; m < G; ++m)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t j = g * kTileRows + r;
+      y[(r0 + m) * n + j] = bias ? out[m][r] + bias[j] : out[m][r];
+    }
+}
 
 template <int T>
-void run_a8(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, const float* bias, float* y) {
+void run_a8(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t n, const float* bias, float* y) {
   XA8 a;
   quantize_a8<T>(x, m, k, a);
-  const int64_t row_bytes = k / 256 * kTypeSize[T];
-  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, row_bytes));
-  std::vector<int64_t> rows(static_cast<size_t>(m));
-  for (int64_t i = 0; i < m; ++i) rows[i] = i;
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    // up to 8 rows of x a pass: the weight rows are read and unpacked once a pass (decode, verify: once a call)
-    for (int64_t r = 0; r < m; r += kMaxRows) {
-      const int64_t cnt = std::min<int64_t>(kMaxRows, m - r);
-      kRangeA8<T>[cnt](blocks, row_bytes, a, k, rows.data() + r, n0, n1, n, bias, y);
-    }
+  const int64_t nsb = k / 256;
+  const int64_t groups = (n + kTileRows - 1) / kTileRows;
+  const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, nsb * kTileBytes<T>));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    // 4 rows of x a pass over a tile row, which stays in cache between passes (nsb * kTileBytes bytes)
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < m; r += 4) {
+        switch (std::min<int64_t>(4, m - r)) {
+          case 1: tiles_pass<T, 1>(tiles, nsb, a, k, r, g, n, bias, y); break;
+          case 2: tiles_pass<T, 2>(tiles, nsb, a, k, r, g, n, bias, y); break;
+          case 3: tiles_pass<T, 3>(tiles, nsb, a, k, r, g, n, bias, y); break;
+          default: tiles_pass<T, 4>(tiles, nsb, a, k, r, g, n, bias, y); break;
+        }
+      }
   });
 }
 
@@ -906,19 +946,97 @@ constexpr RunFn kRun[kNumTypes] = {run<F32>, run<F16>, run<BF16>, run<Q4_0>, run
 constexpr RunFn kRunA8[kNumTypes] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                       run_a8<Q4_K>, run_a8<Q5_K>, run_a8<Q6_K>};
 
+// graphspec.kernels.qlinear.pack_a8 in C++ (the same bytes; its docstring has the layout): a k-quant weight's GGUF
+// blocks [n, row_bytes] -> tiles [ceil(n / 16), k / 256 * kTileBytes].
+template <int T>
+void pack_tiles(const uint8_t* blocks, int64_t n, int64_t k, uint8_t* tiles) {
+  const int64_t nsb = k / 256, groups = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nsb; ++b) {
+        uint8_t* t = tiles + (g * nsb + b) * kTileBytes<T>;
+        std::memset(t, 0, kTileBytes<T>);
+        for (int r = 0; r < kTileRows && g * kTileRows + r < n; ++r) {
+          const uint8_t* p = blocks + ((g * kTileRows + r) * nsb + b) * kTypeSize[T];
+          uint8_t q[256];
+          if constexpr (T == Q6_K) {
+            for (int h = 0; h < 2; ++h)
+              for (int l = 0; l < 64; ++l) {
+                q[128 * h + l] = p[64 * h + l] & 0x0F;
+                q[128 * h + 64 + l] = p[64 * h + l] >> 4;
+              }
+            for (int h = 0; h < 2; ++h)
+              for (int sh = 0; sh < 4; ++sh)
+                for (int l = 0; l < 32; ++l) q[128 * h + 32 * sh + l] |= ((p[128 + 32 * h + l] >> (2 * sh)) & 3) << 4;
+            for (int s = 0; s < 16; ++s) t[sc_off<T>(s) + r] = p[192 + s];
+            t[kDOff<T> + 2 * r] = p[208];
+            t[kDOff<T> + 2 * r + 1] = p[209];
+          } else {
+            const uint8_t* qs = p + (T == Q4_K ? 16 : 48);
+            for (int i = 0; i < 4; ++i)
+              for (int l = 0; l < 32; ++l) {
+                q[64 * i + l] = qs[32 * i + l] & 0x0F;
+                q[64 * i + 32 + l] = qs[32 * i + l] >> 4;
+              }
+            if constexpr (T == Q5_K)
+              for (int i = 0; i < 8; ++i)
+                for (int l = 0; l < 32; ++l) q[32 * i + l] |= ((p[16 + l] >> i) & 1) << 4;
+            uint8_t f[16];
+            k_fields(p + 4, f);
+            for (int s = 0; s < 8; ++s) {
+              t[sc_off<T>(s) + r] = f[s];
+              t[kMnOff<T> + 32 * (s / 2) + 2 * r + s % 2] = f[8 + s];
+            }
+            for (int i = 0; i < 2; ++i) {
+              t[kDOff<T> + 2 * r + i] = p[i];
+              t[kDOff<T> + 32 + 2 * r + i] = p[2 + i];
+            }
+          }
+          for (int quad = 0; quad < 64; ++quad)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t v = q[4 * quad + i];
+              t[nib_off<T>(quad % 32) + 4 * r + i] |= (v & 0x0F) << (quad < 32 ? 0 : 4);
+              if constexpr (T == Q5_K) t[high_off<T>(quad % 8) + 4 * r + i] |= ((v >> 4) & 1) << (quad / 8);
+              if constexpr (T == Q6_K) t[high_off<T>(quad % 16) + 4 * r + i] |= ((v >> 4) & 3) << (2 * (quad / 16));
+            }
+        }
+      }
+  });
+}
+
+at::Tensor pack_a8(const at::Tensor& blocks, int64_t type, int64_t n, int64_t k) {
+  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K, "pack_a8: int8 activations run Q4_K, Q5_K and Q6_K, got "
+              "block type ", type);
+  TORCH_CHECK(n >= 0 && k >= 0 && k % 256 == 0, "pack_a8: K=", k, " is not a multiple of 256");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu() &&
+                  blocks.numel() == n * (k / 256) * kTypeSize[type],
+              "pack_a8: blocks must be a contiguous CPU uint8 tensor of ", n * (k / 256) * kTypeSize[type], " bytes");
+  const int64_t tb = type == Q4_K ? kTileBytes<Q4_K> : type == Q5_K ? kTileBytes<Q5_K> : kTileBytes<Q6_K>;
+  at::Tensor tiles = at::empty({(n + kTileRows - 1) / kTileRows, k / 256 * tb}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = tiles.data_ptr<uint8_t>();
+  if (type == Q4_K) pack_tiles<Q4_K>(src, n, k, dst);
+  else if (type == Q5_K) pack_tiles<Q5_K>(src, n, k, dst);
+  else pack_tiles<Q6_K>(src, n, k, dst);
+  return tiles;
+}
+
 // Both ops: check the arguments (naming the op), then run y = x w^T (+ bias) with `run` of the block type.
 at::Tensor checked_run(const char* op, const RunFn* runs, const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
+                       int64_t n, int64_t k, const c10::optional<at::Tensor>& bias, bool tiles = false) {
   TORCH_CHECK(type >= 0 && type < kNumTypes, op, ": unknown block type ", type);
   TORCH_CHECK(runs[type] != nullptr, op, ": int8 activations run Q4_K, Q5_K and Q6_K weights, got block type ", type);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                   x.device().is_cpu(),
               op, ": x must be a contiguous CPU float32 [M, ", k, "] tensor, got ", x.sizes());
   TORCH_CHECK(k % kBlockSize[type] == 0, op, ": K=", k, " is not a multiple of the block size ", kBlockSize[type]);
-  const int64_t nbytes = n * (k / kBlockSize[type]) * kTypeSize[type];
+  const int64_t tile_bytes = type == Q4_K ? kTileBytes<Q4_K> : type == Q5_K ? kTileBytes<Q5_K> : kTileBytes<Q6_K>;
+  const int64_t nbytes = tiles ? (n + kTileRows - 1) / kTileRows * (k / 256) * tile_bytes
+                               : n * (k / kBlockSize[type]) * kTypeSize[type];
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu() &&
                   blocks.numel() == nbytes,
-              op, ": blocks must be a contiguous CPU uint8 tensor of ", nbytes, " bytes for a [", n, ", ", k, "] weight");
+              op, ": ", tiles ? "tiles" : "blocks", " must be a contiguous CPU uint8 tensor of ", nbytes,
+              " bytes for a [", n, ", ", k, "] weight", tiles ? " (graphspec.kernels.qlinear.pack_a8)" : "");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -936,9 +1054,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, 
   return checked_run("qlinear", kRun, x, blocks, type, n, k, bias);
 }
 
-at::Tensor qlinear_a8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t n, int64_t k,
+at::Tensor qlinear_a8(const at::Tensor& x, const at::Tensor& tiles, int64_t type, int64_t n, int64_t k,
                       const c10::optional<at::Tensor>& bias) {
-  return checked_run("qlinear_a8", kRunA8, x, blocks, type, n, k, bias);
+  return checked_run("qlinear_a8", kRunA8, x, tiles, type, n, k, bias, true);
 }
 
 std::string level_name() { return GS_LEVEL_NAME; }
@@ -948,5 +1066,6 @@ std::string level_name() { return GS_LEVEL_NAME; }
 GS_LIBRARY(m) {
   m.def("level", &level_name);
   m.def("qlinear(Tensor x, Tensor blocks, int type, int n, int k, Tensor? bias) -> Tensor", &qlinear);
-  m.def("qlinear_a8(Tensor x, Tensor blocks, int type, int n, int k, Tensor? bias) -> Tensor", &qlinear_a8);
+  m.def("pack_a8(Tensor blocks, int type, int n, int k) -> Tensor", &pack_a8);
+  m.def("qlinear_a8(Tensor x, Tensor tiles, int type, int n, int k, Tensor? bias) -> Tensor", &qlinear_a8);
 }

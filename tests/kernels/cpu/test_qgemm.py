@@ -13,8 +13,8 @@ import torch
 
 from graphspec.kernels import cpu
 from graphspec.kernels.linear import linear
-from graphspec.kernels.qlinear import (FORMATS, TYPE_IDS, BlockWeight, qlinear, qlinear_a8_ref, qlinear_ref,
-                                       quantize_activations_ref)
+from graphspec.kernels.qlinear import (A8_TILE_ROWS, FORMATS, TYPE_IDS, BlockWeight, pack_a8, pack_a8_ref, qlinear,
+                                       qlinear_a8_ref, qlinear_ref, quantize_activations_ref, unpack_a8)
 from tests.conftest import C_LEVELS
 from tests.kernels._qblocks import random_blocks
 
@@ -168,7 +168,7 @@ def test_a8_every_level_gives_the_same_bits(type_name):
     w = _a8_weight(type_name, n, k)
     x = _with_outliers(11, k, seed=2)
     for m in (1, 4, 11):
-        got = [cpu.qops(lv).qlinear_a8(x[:m].contiguous(), w.blocks, TYPE_IDS[type_name], n, k, None)
+        got = [cpu.qops(lv).qlinear_a8(x[:m].contiguous(), w.tiles, TYPE_IDS[type_name], n, k, None)
                for lv in C_LEVELS]
         for lv, g in zip(C_LEVELS[1:], got[1:]):
             assert torch.equal(got[0], g), (type_name, m, C_LEVELS[0], lv)
@@ -212,3 +212,37 @@ def test_a8_at_the_torch_level_is_the_reference_and_agrees_with_the_kernels():
     for lv in C_LEVELS:
         with cpu.use_level(lv):
             assert ((qlinear(x, w).double() - y.double()).abs() <= _a8_bound(x, w)).all(), lv
+
+
+# The tiles the a8 GEMM reads (kernels.qlinear.pack_a8): a lossless rearrangement of the GGUF bytes.
+
+@pytest.mark.parametrize("type_name", A8)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 40])
+def test_a8_tiles_give_the_gguf_bytes_back(type_name, n):
+    k = 768
+    blocks = torch.from_numpy(random_blocks(type_name, n, k, seed=n))
+    ref = pack_a8_ref(type_name, blocks, n, k)
+    assert ref.shape == (-(-n // A8_TILE_ROWS), k // 256 * {"Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}[type_name])
+    assert torch.equal(unpack_a8(type_name, ref, n, k), blocks)
+    for lv in C_LEVELS:  # the C++ packing, at every level: the same bytes as the torch one
+        assert torch.equal(cpu.qops(lv).pack_a8(blocks, TYPE_IDS[type_name], n, k), ref), lv
+    with cpu.use_level(C_LEVELS[0] if C_LEVELS else "torch"):
+        assert torch.equal(pack_a8(type_name, blocks, n, k), ref)
+
+
+def test_a8_packed_weight_keeps_its_values(level):
+    n, k = 37, 512
+    blocks = torch.from_numpy(random_blocks("Q6_K", n, k, seed=5))
+    w = BlockWeight("Q6_K", blocks, (n, k), "int8")
+    dense = w.dense()
+    assert w.pack() is w and w._blocks is None and w.nbytes == 3 * 2 * 3360  # the GGUF layout is dropped
+    assert torch.equal(w.blocks, blocks) and torch.equal(w.dense(), dense)
+    ids = torch.tensor([[36, 0], [17, 17]])
+    assert torch.equal(w.rows(ids), dense[ids])
+    part = w.select(torch.tensor([3, 20, 36]))
+    assert part._tiles is not None and torch.equal(part.dense(), dense[[3, 20, 36]])
+    x = _with_outliers(2, k, seed=4)
+    assert torch.equal(qlinear(x, part), qlinear(x, w)[:, [3, 20, 36]])
+    if level != "torch":
+        with pytest.raises(RuntimeError, match="tiles must be a contiguous CPU uint8 tensor of 4736 bytes"):
+            cpu.qops().qlinear_a8(x, w.tiles[:1, :4032], TYPE_IDS["Q4_K"], 5, 512, None)
