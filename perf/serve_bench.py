@@ -12,11 +12,16 @@ concurrency 1 is compared with (``x_pipeline_run``). The configurations' servers
 are interleaved (every configuration at N before any at the next N), so host drift falls on all alike; with
 ``--repeats R`` every level runs R rounds, each configuration once a round, and ``summary`` gives each cell's
 median, min, max and spread over its rounds (the run-to-run noise) and its ratio to plain of the same round. Each
-level records the 1-minute load average at its end, and the report the policy's measured cost table.
+level records the 1-minute load average at its end and, over its own wall time, the CPU seconds this process used
+(``own_cpu_s``) and those the rest of the host used (``others_cpu_s``, from /proc/stat; ``others_cores`` per second
+of the cell): on a shared 2-core host the target's step time follows the others' load (perf/RESULTS.md), so a ratio
+between two cells is read against the difference of their ``others_cores``. The report also has the policy's
+measured cost table.
 
     python perf/serve_bench.py --threads 2                     # 1.5B target, 0.5B draft, N = 1 2 4 8 16
     python perf/serve_bench.py --draft smollm2-135m-instruct --concurrency 1 4 --max-tokens 64
     python perf/serve_bench.py --configs plain policy --repeats 3    # noise: three rounds of every cell
+    python perf/serve_bench.py --concurrency 16 --alone 0           # no Pipeline.run baseline (16 requests alone)
 
 Writes perf/results/serve_bench-<date>.json (``--out``) and a plot (``--plot``, default docs/img/serve.png).
 """
@@ -39,6 +44,21 @@ if __package__ in (None, ""):
 from perf._common import DRAFT, TARGET, load_prompts, machine_info, output_path, save_json  # noqa: E402
 
 CONFIGS = ("plain", "spec", "policy")
+
+
+def _cpu() -> tuple[float, float, float] | None:
+    """(CPU seconds this process has used, busy CPU seconds of the whole host, wall clock), or None off Linux."""
+    try:
+        with open("/proc/self/stat") as f:
+            own = f.read()
+        with open("/proc/stat") as f:
+            host = [int(x) for x in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    fields = own[own.rindex(")") + 2:].split()
+    busy = sum(host) - host[3] - host[4]
+    return (int(fields[11]) + int(fields[12])) / hz, busy / hz, time.perf_counter()
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -126,6 +146,9 @@ def summarize(report: dict) -> dict:
                    "spread": (max(tps) - min(tps)) / med if med else None,
                    "tpot_p50_median": statistics.median([lv["tpot_p50"] for lv in cells if lv["tpot_p50"]] or [0.0]),
                    "proposed_any": any(lv["acceptance"] is not None for lv in cells)}
+            others = [lv["others_cores"] for lv in cells if "others_cores" in lv]
+            if others:  # the rest of the host's load during the cells, in cores busy
+                row["others_cores_median"] = statistics.median(others)
             xs = [lv["x_plain"] for lv in cells if "x_plain" in lv]
             if xs:
                 row.update(x_plain_median=statistics.median(xs), x_plain_min=min(xs), x_plain_max=max(xs),
@@ -172,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every level (their spread is the noise)")
+    ap.add_argument("--alone", type=int, default=None,
+                    help="requests run through Pipeline.run alone per configuration, the figure serving at "
+                         "concurrency 1 is compared with (default: --requests or the lowest concurrency; 0: none)")
     ap.add_argument("--out", default=f"serve_bench-{time.strftime('%Y%m%d-%H%M%S')}.json")
     ap.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" / "img" / "serve.png"))
     args = ap.parse_args(argv)
@@ -203,13 +229,15 @@ def main(argv=None) -> int:
             report["cost_table"] = dataclasses.asdict(engine.policy().costs)  # measured before the clock starts
         engines[config] = engine
         # the same requests through Pipeline.run, one after another: what serving at concurrency 1 is held to
-        n_alone = args.requests or min(args.concurrency)
+        n_alone = args.alone if args.alone is not None else (args.requests or min(args.concurrency))
+        report["results"][config] = []
+        if n_alone <= 0:
+            continue
         t0 = time.perf_counter()
         alone_tokens = sum(len(pipe.run(prompts[i % len(prompts)], max_new_tokens=args.max_tokens).token_ids)
                            for i in range(n_alone))
         alone = alone_tokens / (time.perf_counter() - t0)
         report.setdefault("pipeline_run", {})[config] = alone
-        report["results"][config] = []
         print(f"{config:>7} Pipeline.run {alone:7.2f} tok/s", file=sys.stderr, flush=True)
     with contextlib.ExitStack() as servers:
         urls = {c: servers.enter_context(background(e, "bench")) for c, e in engines.items()}
@@ -223,17 +251,24 @@ def main(argv=None) -> int:
                 order = args.configs[turn % len(args.configs):] + args.configs[:turn % len(args.configs)]
                 turn += 1
                 for config in order:
+                    cpu0 = _cpu()
                     lv = asyncio.run(_level(urls[config], "bench", prompts, n, args.requests or n, args.max_tokens))
+                    cpu1 = _cpu()
                     lv["loadavg_1min"] = os.getloadavg()[0]
+                    if cpu0 is not None and cpu1 is not None:
+                        lv["own_cpu_s"] = cpu1[0] - cpu0[0]
+                        lv["others_cpu_s"] = (cpu1[1] - cpu0[1]) - lv["own_cpu_s"]
+                        lv["others_cores"] = lv["others_cpu_s"] / (cpu1[2] - cpu0[2])
                     lv["repeat"] = rep
                     report["results"][config].append(lv)
                     print(f"{config:>7} N={n:<3} #{rep} {lv['tokens_per_second']:7.2f} tok/s  ttft p50 "
                           f"{lv['ttft_p50']:.2f} s  tpot p50 {1000 * (lv['tpot_p50'] or 0):.0f} ms  acceptance "
                           f"{lv['acceptance']}  tokens/forward {lv['tokens_per_target_forward']}  "
-                          f"load {lv['loadavg_1min']:.2f}", file=sys.stderr, flush=True)
+                          f"load {lv['loadavg_1min']:.2f}  others' CPU {lv.get('others_cores', 0):.2f} cores",
+                          file=sys.stderr, flush=True)
     for config, levels in report["results"].items():
         for lv in levels:
-            if lv["concurrency"] == 1:
+            if lv["concurrency"] == 1 and config in report.get("pipeline_run", {}):
                 lv["x_pipeline_run"] = lv["tokens_per_second"] / report["pipeline_run"][config]
     base = {(lv["concurrency"], lv.get("repeat", 0)): lv for lv in report["results"].get("plain", [])}
     for config, levels in report["results"].items():
