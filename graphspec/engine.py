@@ -36,10 +36,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from graphspec.acceptance import TreeAcceptance, greedy_accept
 from graphspec.drafters import ModelDrafter, prefill
 from graphspec.graph import Stage
 from graphspec.kernels import EXACT_ROWS_MAX
 from graphspec.kernels._dispatch import _override, rows_exact
+from graphspec.verify import TreeVerify, Verify
 
 __all__ = ["Engine", "EngineSequence", "QueueFull", "SpeculationPolicy", "SequenceView", "CostTable", "FINISHED"]
 
@@ -309,6 +311,53 @@ def _cross_catch_up(drafter, state) -> None:
     prefill(drafter.model, cache, missed, state.run.device)
     fed.extend(missed)
     state.run.draft_forwards += 1
+
+
+class _Undrafted(Stage):
+    """A tree stage (``TreeVerify``, ``TreeAcceptance``) that takes its plain twin's path (``Verify``'s one-row step,
+    ``greedy_accept``) on a step with no draft, where the two compute the same thing: the same forward call on the
+    same cache and the target's argmax, without the tree bookkeeping (the last tree's kept branch, the children of
+    each row, a new tensor of the emitted row). A step with no draft is every step of a greedy sequence the policy
+    keeps plain; a 16-stream step runs the stage 16 times, one thread after another under the GIL, between two
+    target forwards (perf/RESULTS.md).
+
+    The verify takes the plain path only when the last step left no tree to resolve: none, or the tree of the
+    pending token alone, whose kept branch is already in place. The acceptance takes it for greedy sequences only
+    (a sampled one draws its token from its generator as ``TreeAcceptance`` does), and records the empty tree's
+    sibling counts as ``TreeAcceptance`` would, so the stats are the same.
+    """
+
+    def __init__(self, inner: Stage):
+        super().__init__(inner.name, inner.reads, inner.writes)
+        self.inner = inner
+        self._accept = isinstance(inner, TreeAcceptance)
+
+    def check(self, params) -> None:
+        self.inner.check(params)
+
+    def begin(self, state) -> None:
+        self.inner.begin(state)
+
+    def run(self, state) -> None:
+        if state.draft_ids.shape[1] == 0:
+            if self._accept:
+                if state.params.greedy:
+                    state.emitted = greedy_accept(state.draft_ids, state.target_logits)
+                    state.run.extra.setdefault("tree", {"siblings_proposed": 0, "siblings_accepted": 0})
+                    return
+            else:
+                scratch = state.scratch(self.inner)
+                last = scratch.get("tree")
+                if last is None or not last[2]:
+                    scratch.pop("tree", None)
+                    Verify.run(self.inner, state)
+                    return
+        self.inner.run(state)
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def _deferrable(stage) -> bool:
@@ -723,6 +772,9 @@ class Engine:
                     self._pipe._graph = self._pipe._graph.replace(stage.name, _DeferredDraft(stage))
                     self._deferred = True
                     break
+        for stage in self._pipe._graph:
+            if type(stage) in (TreeVerify, TreeAcceptance):
+                self._pipe._graph = self._pipe._graph.replace(stage.name, _Undrafted(stage))
         self._policy = policy if isinstance(policy, SpeculationPolicy) else None
         self._costs = costs
         self._lock = threading.Lock()

@@ -444,6 +444,43 @@ def test_drafts_that_start_late_and_catch_up_keep_outputs_and_stay_in_step(tiny_
             assert accepted >= 0.9 * proposed, (accepted, proposed)
 
 
+def test_steps_without_a_draft_take_the_plain_stages(tiny_dirs, monkeypatch):
+    """A tree pipeline's step that drafts nothing runs Verify's one-row step and greedy_accept, not the tree stages
+    (their bookkeeping runs once per sequence a step, one thread after another under the GIL): never for a greedy
+    sequence the policy keeps plain, and only where a tree is to be resolved when drafting comes and goes. Tokens
+    (greedy and seeded sampled) are what Pipeline.run gives, and so are the tree stats where both draft alike."""
+    from graphspec.acceptance import TreeAcceptance
+    from graphspec.verify import TreeVerify
+
+    calls = {"verify": 0, "accept": 0}
+    for cls, key in ((TreeVerify, "verify"), (TreeAcceptance, "accept")):
+        def counted(self, state, _run=cls.run, _key=key):
+            calls[_key] += 1
+            return _run(self, state)
+        monkeypatch.setattr(cls, "run", counted)
+    pipe = _pipes(tiny_dirs, torch.float32)["tree"]
+    prompts = [p for p in PROMPTS if isinstance(p, str)][:4]
+    alone = [pipe.run(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+    never = SpeculationPolicy(CostTable(target={1: 1.0, 64: 64.0}, draft={1: 0.5, 64: 0.5}, draft_prefill={16: 1.0}))
+    calls.update(verify=0, accept=0)
+    got = Engine(pipe, max_batch=4, policy=never).run_batch(prompts, max_new_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert calls == {"verify": 0, "accept": 0}, calls
+    assert all(r.stats.proposed == 0 and r.stats.tree == {"siblings_proposed": 0, "siblings_accepted": 0}
+               for r in got)
+    # drafting on and off: the tree stages run on the drafting steps and on the step after each (its tree)
+    requests = [(p, dict(max_new_tokens=30, ignore_eos=True)) for p in prompts]
+    requests.append((PROMPTS[1], dict(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3)))
+    alone = [pipe.run(p, **kw) for p, kw in requests]
+    calls.update(verify=0, accept=0)
+    engine = Engine(pipe, max_batch=len(requests), policy=_Alternating(CostTable(target={1: 1.0})))
+    got = [s.result(timeout=120) for s in [engine.submit(p, **kw) for p, kw in requests]]
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert got[-1].stats.tree == alone[-1].stats.tree  # the sampled one drafts K every step, alone and here
+    steps = sum(r.stats.steps for r in got)
+    assert 0 < calls["verify"] < steps and 0 < calls["accept"] < steps, (calls, steps)
+
+
 def test_plan_drafts_only_past_the_margin():
     """A drafting plan must promise ``margin`` more tokens per second than plain steps."""
     costs = CostTable(target={1: 1.0, 2: 1.5}, draft={1: 0.1})
