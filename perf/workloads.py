@@ -115,6 +115,15 @@ def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> di
         outputs.append({"prompt": ids, "output": ref if ref is not None else got[names[0]]})
         log(f"    request {i + 1}/{len(prompts)}: {len(got[names[0]])} tokens; " + ", ".join(
             f"{n} {runs[n]['tokens'] / runs[n]['seconds']:.2f} tok/s" for n in names) + " so far")
+    if "hybrid" in pipes:  # the figures its rule ran with (draft_cost and prefill_cost are measured at warm-up)
+        from graphspec.suffix import measure_draft_cost
+
+        pipe = pipes["hybrid"]
+        h = pipe.graph["draft"]
+        runs["hybrid"]["hybrid"] = {
+            "draft_cost": h.draft_cost if h.draft_cost is not None else measure_draft_cost(
+                h.model_drafter, pipe.target, pipe.num_speculative_tokens + 1),
+            "prefill_cost": h.prefill_cost, "model_share": h.model_share(), **h.measured}
     return {"runs": runs, "outputs": outputs}
 
 
@@ -134,6 +143,8 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
                "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"), "date": machine.get("date"),
                "commit": machine.get("commit"), "loadavg": machine.get("loadavg")}
+        if "hybrid" in r:
+            row["hybrid"] = r["hybrid"]
         rows.append(row)
     return rows
 
@@ -251,9 +262,10 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
     token of the draft's prefill ``prefill_cost`` draft forwards. The model draft's prefills are paid as the
     library pays them: the prompt at the start for ``model``; for the hybrids, the committed tokens its cache
     lacks (two or more) before each model step. ``hybrid`` is the rule without that cost in it (until
-    2026-12-03, 12:00 UTC), ``catch-up`` the rule with it (which may also take plain steps), ``catch-up/share``
-    a variant not in the library: the catch-up spread over the tokens left times the share of the committed
-    tokens that model steps produced so far (prior 1/2 of 6 tokens), not over all the tokens left."""
+    2026-12-03, 12:00 UTC); ``catch-up/all`` the rule with it spread over every token left to the request
+    (until 2026-12-03, 14:45 UTC; it may also take plain steps); ``catch-up/share`` the library's rule since:
+    spread over the tokens left times the share of the committed tokens that model steps produced so far
+    (``HybridDrafter.model_share``, prior 1/2 of 6 tokens)."""
     from graphspec.suffix import HybridDrafter
 
     res = {}
@@ -262,9 +274,9 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
         hybrid.switch, hybrid.draft_cost, hybrid.prior_model = 1.0, draft_cost, 3.0
         hybrid.prefill_cost = prefill_cost
         hybrid.measured = {"suffix_score": 0.0, "suffix_accepted": 0, "model_steps": 0, "model_tokens": 0,
-                           "model_forwards": 0}
+                           "model_forwards": 0, "step_tokens": 0}
+        share = 1.0 if rule == "catch-up/all" else None  # None: the library's model_share()
         tokens = steps = forwards = n_suffix = n_model = n_plain = prefilled = 0
-        life_tokens = life_model = 0  # committed tokens, and those model steps produced (catch-up/share)
         for req in reqs:
             request = dict.fromkeys(hybrid.measured, 0)
             pos, n = 1, req["n"]
@@ -276,8 +288,6 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                 behind = plen + pos - 1 - fed  # the committed tokens but the pending one, less those fed
                 behind = behind if behind >= 2 else 0
                 remaining = max_new - pos
-                if rule == "catch-up/share":
-                    remaining = max(1, round(remaining * (life_model + 3) / (life_tokens + 6)))
                 if rule == "previous":  # its model draft was a chain
                     m_got = chain_got
                 if rule == "suffix":
@@ -289,14 +299,16 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                 elif rule == "hybrid":
                     kind = "suffix" if ntoks and hybrid.prefers_suffix(score, k) else "model"
                 else:
-                    kind = ("suffix" if ntoks and hybrid.prefers_suffix(score, k, behind, remaining) else
-                            "plain" if not ntoks and hybrid.model_rate(k, behind, remaining) < 1.0 else "model")
+                    kind = ("suffix" if ntoks and hybrid.prefers_suffix(score, k, behind, remaining, share=share) else
+                            "plain" if not ntoks and hybrid.model_rate(k, behind, remaining, share=share) < 1.0
+                            else "model")
                 got = {"suffix": s_got, "model": m_got, "plain": 0}[kind]
                 if kind == "model" and rule != "model":
                     prefilled += behind
                     fed = plen + pos + got - 1  # all but the newest committed token or two: in step
                 for m in (hybrid.measured, request):
-                    if kind == "suffix" or ntoks and m is hybrid.measured and rule == "hybrid":
+                    if kind == "suffix" or ntoks and m is hybrid.measured and rule in (
+                            "hybrid", "catch-up/all", "catch-up/share"):
                         # the hybrid checks every step's tree against the committed tokens (after a model step,
                         # got + 1 of them); the previous rule counted proposed trees only
                         m["suffix_score"] += score
@@ -305,11 +317,10 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                         m["model_steps"] += 1
                         m["model_tokens"] += got + 1
                         m["model_forwards"] += fw
+                hybrid.measured["step_tokens"] += got + 1
                 n_suffix += kind == "suffix"
                 n_model += kind == "model"
                 n_plain += kind == "plain"
-                life_tokens += got + 1
-                life_model += got + 1 if kind == "model" else 0
                 forwards += fw if kind == "model" else 0
                 pos += got + 1
                 steps += 1
@@ -400,9 +411,9 @@ def main(argv=None) -> int:
             f"forwards; per workload: tokens per target forward / tokens per unit of time, draft prefills counted "
             "(suffix steps, model steps, plain steps)")
         for cost in args.draft_cost:
-            for rule in ("suffix", "model", "previous", "hybrid", "catch-up", "catch-up/share"):
+            for rule in ("suffix", "model", "previous", "hybrid", "catch-up/all", "catch-up/share"):
                 res = replay_hybrid(positions, rule, cost, K["hybrid"], prefill_cost, max_new)
-                log(f"draft_cost {cost} {rule:8s} " + "  ".join(
+                log(f"draft_cost {cost} {rule:14s} " + "  ".join(
                     f"{wl} {a:.2f} / {b:.2f} ({ns}, {nm}, {npl})" for wl, (a, b, ns, nm, npl) in res.items()))
         return 0
 
@@ -441,7 +452,7 @@ def main(argv=None) -> int:
         for r in rows:
             log(f"  {r['method']:7s} K={r['k']}: {r['tokens_per_target_forward']:.2f} tokens/forward, "
                 f"{r['tok_s']:.2f} tok/s, x{r['x_autoregressive'] or 0:.2f} autoregressive, "
-                f"differ {r['prompts_differing_from_ar']}")
+                f"differ {r['prompts_differing_from_ar']}" + (f"; rule: {r['hybrid']}" if "hybrid" in r else ""))
         if not args.no_results:
             with RESULTS_FILE.open("a") as f:
                 for r in rows:
