@@ -34,8 +34,8 @@
   the ones not proposed too, so that a few early misses cannot rule suffix trees out for good). A model
   step costs one verify plus its draft forwards (``draft_cost`` of a verify each: in greedy runs measured once
   per draft model, target and thread count by ``measure_draft_cost``, a one-token draft forward timed against a
-  verify of K + 1 rows): it yields the tokens model steps yielded so far. Both are measured over the drafter's life (across requests, as the store
-  learns across them). The model draft
+  verify of K + 1 rows): it yields the tokens model steps yielded so far. Both are measured over the drafter's
+  life (across requests, as the store learns across them). The model draft
   (any model drafter, with the target's tokenizer or another: the suffix structure is in the target's
   tokens) is prefilled only when it first drafts, so a request that suffix trees serve throughout never
   pays for it. In greedy runs a model step also pays its share of that catch-up prefill (the committed
@@ -818,7 +818,7 @@ class HybridDrafter(Stage):
         """Tokens a verify of a model step of at most ``k`` drafts, with ``catch_up`` tokens to prefill first and
         ``remaining`` tokens left to the request (see the class docstring). ``draft_cost``: None takes
         ``self.draft_cost`` (``HYBRID_DRAFT_COST`` if that is None too); ``share``: None takes ``model_share()``
-        (1 spreads the catch-up over every token left, the rule until 2026-12-03 14:00 UTC)."""
+        (1 spreads the catch-up over every token left, the rule of 6cd2a51)."""
         m = self.measured
         steps = m["model_steps"] + 1  # one prior step
         tokens = (m["model_tokens"] + self.prior_model) / steps
