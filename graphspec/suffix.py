@@ -664,7 +664,8 @@ def measure_draft_cost(drafter, target, rows: int, repeats: int = 2) -> float:
     ``rows`` tokens with logits for every row (``model.step(..., logits_for="all")``, as a verify runs),
     best of ``repeats`` each. Both at the start of a cache: attention over a long context adds to both and
     is left out. Kept per draft model, target, thread count, head width and rows, so it is measured once
-    (two 6-row verifies of the 1.5B and four 0.5B forwards: about 0.7 s on one Zen 4 core).
+    (two 6-row verifies of the 1.5B and four 0.5B int8 forwards: about 0.7 s on one Zen 4 core, from a 292 ms
+    verify and a 30 ms draft forward, perf/RESULTS.md).
     """
     _check_int("rows", rows, 1)
     model, target = _unbatched(drafter.model), _unbatched(target)
