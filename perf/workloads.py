@@ -265,7 +265,8 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
     2026-12-03, 12:00 UTC); ``catch-up/all`` the rule with it spread over every token left to the request
     (until 2026-12-03, 14:45 UTC; it may also take plain steps); ``catch-up/share`` the library's rule since:
     spread over the tokens left times the share of the committed tokens that model steps produced so far
-    (``HybridDrafter.model_share``, prior 1/2 of 6 tokens)."""
+    (``HybridDrafter.model_share``, prior 1/2 of 6 tokens); ``catch-up/request`` a replay-only variant of it whose
+    share counts this request's steps only (prior 1/2 of 6 tokens), not the drafter's life."""
     from graphspec.suffix import HybridDrafter
 
     res = {}
@@ -279,6 +280,7 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
         tokens = steps = forwards = n_suffix = n_model = n_plain = prefilled = 0
         for req in reqs:
             request = dict.fromkeys(hybrid.measured, 0)
+            request_tokens = 0
             pos, n = 1, req["n"]
             plen = req.get("prompt_len", 0)
             fed = plen if rule == "model" else 0  # tokens in the draft's cache
@@ -288,6 +290,8 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                 behind = plen + pos - 1 - fed  # the committed tokens but the pending one, less those fed
                 behind = behind if behind >= 2 else 0
                 remaining = max_new - pos
+                if rule == "catch-up/request":
+                    share = (request["model_tokens"] + 3) / (request_tokens + 6)
                 if rule == "previous":  # its model draft was a chain
                     m_got = chain_got
                 if rule == "suffix":
@@ -308,7 +312,7 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                     fed = plen + pos + got - 1  # all but the newest committed token or two: in step
                 for m in (hybrid.measured, request):
                     if kind == "suffix" or ntoks and m is hybrid.measured and rule in (
-                            "hybrid", "catch-up/all", "catch-up/share"):
+                            "hybrid", "catch-up/all", "catch-up/share", "catch-up/request"):
                         # the hybrid checks every step's tree against the committed tokens (after a model step,
                         # got + 1 of them); the previous rule counted proposed trees only
                         m["suffix_score"] += score
@@ -318,6 +322,7 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
                         m["model_tokens"] += got + 1
                         m["model_forwards"] += fw
                 hybrid.measured["step_tokens"] += got + 1
+                request_tokens += got + 1
                 n_suffix += kind == "suffix"
                 n_model += kind == "model"
                 n_plain += kind == "plain"
@@ -374,6 +379,9 @@ def main(argv=None) -> int:
                     help="--replay-hybrid: a draft forward's cost in verifies (the time unit)")
     ap.add_argument("--prefill-cost", type=float, default=None,
                     help="--replay-hybrid: a draft prefill token's cost in draft forwards (default: measured)")
+    ap.add_argument("--positions", type=Path, default=None,
+                    help="--replay-hybrid: read the drafted positions from this JSON file if it exists, else write "
+                         "them there (the model draft's part takes minutes; the rules' replay takes seconds)")
     ap.add_argument("--no-results", action="store_true", help="do not append to perf/workloads.jsonl")
     args = ap.parse_args(argv)
     if args.threads:
@@ -400,20 +408,29 @@ def main(argv=None) -> int:
         from graphspec.drafters import ModelDrafter
         from graphspec.suffix import measure_prefill_cost
 
-        draft = load_model(DRAFT, dtype=DTYPES[args.dtype], quantize="int8")
+        cached = args.positions is not None and args.positions.exists()
+        # no model at all with cached positions and a given prefill cost: the replay is then pure arithmetic
+        draft = (load_model(DRAFT, dtype=DTYPES[args.dtype], quantize="int8")
+                 if not cached or args.prefill_cost is None else None)
         # what the hybrid measures at its first catch-up (the same draft, head and threads)
         prefill_cost = (measure_prefill_cost(ModelDrafter(draft, draft_vocab="auto", siblings=AUTO_DRAFT_SIBLINGS))
                         if args.prefill_cost is None else args.prefill_cost)
         max_new = json.loads(args.replay_hybrid.read_text()).get("max_new_tokens", args.max_new_tokens)
         t0 = time.perf_counter()
-        positions = hybrid_positions(args.replay_hybrid, draft, K["hybrid"])
+        if cached:
+            positions = {wl: [{**r, "steps": {int(p): tuple(v) for p, v in r["steps"].items()}} for r in reqs]
+                         for wl, reqs in json.loads(args.positions.read_text()).items()}
+        else:
+            positions = hybrid_positions(args.replay_hybrid, draft, K["hybrid"])
+            if args.positions is not None:
+                args.positions.write_text(json.dumps(positions))
         log(f"# positions drafted in {time.perf_counter() - t0:.0f} s; a prefill token costs {prefill_cost:.3f} draft "
             f"forwards; per workload: tokens per target forward / tokens per unit of time, draft prefills counted "
             "(suffix steps, model steps, plain steps)")
         for cost in args.draft_cost:
-            for rule in ("suffix", "model", "previous", "hybrid", "catch-up/all", "catch-up/share"):
+            for rule in ("suffix", "model", "previous", "hybrid", "catch-up/all", "catch-up/share", "catch-up/request"):
                 res = replay_hybrid(positions, rule, cost, K["hybrid"], prefill_cost, max_new)
-                log(f"draft_cost {cost} {rule:14s} " + "  ".join(
+                log(f"draft_cost {cost} {rule:16s} " + "  ".join(
                     f"{wl} {a:.2f} / {b:.2f} ({ns}, {nm}, {npl})" for wl, (a, b, ns, nm, npl) in res.items()))
         return 0
 
