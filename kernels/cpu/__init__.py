@@ -58,9 +58,9 @@ _FLAGS = {
 
 KERNELS = {
     "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward",
-               "GGUF block GEMMs (FMA)", "GGUF k-quants on int8 activations (vpmaddubsw + vpdpwssd)"),
+               "GGUF block GEMMs (FMA)", "GGUF k-quants on int8 activations (16-row tiles, vpdpbusd)"),
     "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)",
-             "GGUF k-quants on int8 activations (vpmaddubsw + vpmaddwd)"),
+             "GGUF k-quants on int8 activations (16-row tiles, vpmaddubsw + vpmaddwd)"),
     "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward", "GGUF block GEMMs (scalar)",
                 "GGUF k-quants on int8 activations (scalar)"),
     "torch": (),
@@ -156,7 +156,14 @@ def _check_name(name: str, source: str) -> str:
 
 
 def _auto() -> str:
-    return _auto_in(str(_build._cache_root()))
+    return _auto_in(_root(os.environ.get("GRAPHSPEC_CACHE"), os.environ.get("HOME")))
+
+
+@functools.cache
+def _root(cache_env: str | None, home: str | None) -> str:
+    """The build cache root for these values of the variables it depends on (level() runs on every kernel call,
+    so the path is not rebuilt each time)."""
+    return str(_build._cache_root())
 
 
 @functools.cache
@@ -188,7 +195,7 @@ def level() -> str:
     name = _override.get() or _process_level
     if name is not None:
         return name
-    for old in _OLD_ENVS & os.environ.keys():
+    for old in [e for e in _OLD_ENVS if e in os.environ]:  # not environ.keys() & ...: that copies the environment
         raise ValueError(f"{old} is gone: graphspec's CPU backend has one switch, {ENV} (auto, {', '.join(LEVELS)}); "
                          f"{old}=0 is {ENV}=torch. Unset {old}")
     env = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -245,8 +252,20 @@ def ops(name: str | None = None):
     name = level() if name is None else name
     if name == "torch":
         raise ValueError("the torch level has no C++ ops; check available() first")
-    _load(name)
-    return getattr(torch.ops, f"graphspec_cpu_{name}")
+    return _namespace(name, "graphspec_cpu_", _load)
+
+
+_namespaces: dict[str, object] = {}
+
+
+def _namespace(name: str, prefix: str, load) -> object:
+    """torch.ops.<prefix><name>, loaded by ``load(name)`` the first time (kept: torch.ops lookups cost
+    microseconds, and the ops run once per kernel call)."""
+    got = _namespaces.get(prefix + name)
+    if got is None:
+        load(name)
+        got = _namespaces[prefix + name] = getattr(torch.ops, prefix + name)
+    return got
 
 
 _QSOURCES = [_HERE / "qgemm.cpp"]
@@ -268,8 +287,7 @@ def qops(name: str | None = None):
     name = level() if name is None else name
     if name == "torch":
         raise ValueError("the torch level has no C++ ops; check available() first")
-    _load_q(name)
-    return getattr(torch.ops, f"graphspec_cpuq_{name}")
+    return _namespace(name, "graphspec_cpuq_", _load_q)
 
 
 def classes(name: str | None = None):
