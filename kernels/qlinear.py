@@ -27,7 +27,8 @@
   values; the activations are not x, so this is a different model from the exact one, by the rounding of x
   (about 0.4% of each super-block's largest value). Rows stay exact (a row's bits do not depend on the row
   count, the threads or the level), so speculation on it stays lossless. Other formats ignore the setting
-  and compute with fp32 activations. CPU only.
+  and compute with fp32 activations. CPU only. Such a weight is kept as :func:`pack_a8`'s 16-row tiles once
+  packed (:meth:`BlockWeight.pack`; the GGUF loader packs at load), the layout the kernel reads.
 - :class:`StackedWeight` is several weights stacked along N (a fused q/k/v or gate/up whose
   parts a file stores in different formats): each part runs on its own, outputs concatenated.
 """
@@ -521,9 +522,10 @@ def qlinear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.
         if x.device.type != "cpu":
             raise ValueError(f"{weight!r}: int8 activations (weights='gguf-a8') run on the CPU only; on "
                              f"{x.device.type} load the model with weights='gguf'")
-        if cpu.available():
-            y = cpu.qops().qlinear_a8(x2.float().contiguous(), weight.tiles, TYPE_IDS[weight.type],
-                                      weight.shape[0], k, None if bias is None else bias.float().contiguous())
+        lv = cpu.level()  # once: each call costs microseconds, and a decode step makes over a hundred of these
+        if lv != "torch":
+            y = cpu.qops(lv).qlinear_a8(x2.float().contiguous(), weight.tiles, TYPE_IDS[weight.type],
+                                        weight.shape[0], k, None if bias is None else bias.float().contiguous())
         else:
             y = qlinear_a8_ref(x2, weight, bias)
         return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -2,6 +2,7 @@
 
     .venv/bin/python perf/quantized.py --threads 1 2              # Qwen2.5-Coder-1.5B Q4_K_M, 128 tokens
     .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft int8 --k 3
+    .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft int4 --k 4 --no-llamacpp
 
 For each thread count, in one run: llama.cpp's ``llama-bench`` tg<n> on the zoo's GGUF file itself (no
 requantization; perf/llamacpp.py builds it), graphspec's plain decoding of the same file with
@@ -59,9 +60,10 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", nargs="+", default=["gguf", "gguf-a8"], choices=["gguf", "gguf-a8"],
                     help="the target's weights: gguf (fp32 activations, the GGUF's exact model) and/or gguf-a8 "
                          "(the k-quants on int8 activations, as llama.cpp computes)")
-    ap.add_argument("--draft", default="gguf", choices=["gguf", "int8", "none"],
+    ap.add_argument("--draft", default="gguf", choices=["gguf", "int8", "int4", "none"],
                     help="the 0.5B draft: its GGUF in blocks (gguf, with the target's --weights), the converted "
-                         "checkpoint with int8 weights (int8), or no speculative run (none)")
+                         "checkpoint with int8 weights (int8) or 4-bit draft steps (int4, AVX-512 VNNI), or no "
+                         "speculative run (none)")
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--no-llamacpp", action="store_true")
     args = ap.parse_args(argv)
@@ -78,9 +80,9 @@ def main(argv=None) -> int:
     for w in args.weights:
         if args.draft == "gguf":
             drafts[w] = load_model(DRAFT, weights=w)
-        elif args.draft == "int8":
-            drafts[w] = drafts.get("int8") or load_model(DRAFT, quantize="int8")
-            drafts["int8"] = drafts[w]
+        elif args.draft in ("int8", "int4"):
+            drafts[w] = drafts.get(args.draft) or load_model(DRAFT, quantize=args.draft)
+            drafts[args.draft] = drafts[w]
     step_bytes = weight_bytes(next(iter(targets.values())))
     prompts = _prompts(args.prompts)
     bin_dir = None
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
             line = (f"{threads} thread(s), {w}: AR {ar['tokens_per_second']:.2f} tok/s ({row['ar_gbps']:.1f} GB/s of "
                     f"{step_bytes / 1e9:.2f} GB a step)")
             if args.draft != "none":
-                row["draft"] = f"{DRAFT} {'int8' if args.draft == 'int8' else w}"
+                row["draft"] = f"{DRAFT} {w if args.draft == 'gguf' else args.draft}"
                 pipe = graphspec.Pipeline(target, draft=drafts[w], num_speculative_tokens=args.k)
                 spec = _decode(pipe, prompts, args.tokens)
                 row["graphspec_spec"] = {k: v for k, v in spec.items() if k != "token_ids"}
