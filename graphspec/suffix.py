@@ -664,8 +664,8 @@ def measure_draft_cost(drafter, target, rows: int, repeats: int = 2) -> float:
     ``rows`` tokens with logits for every row (``model.step(..., logits_for="all")``, as a verify runs),
     best of ``repeats`` each. Both at the start of a cache: attention over a long context adds to both and
     is left out. Kept per draft model, target, thread count, head width and rows, so it is measured once
-    (two 6-row verifies of the 1.5B and four 0.5B int8 forwards: about 0.7 s on one Zen 4 core, from a 292 ms
-    verify and a 30 ms draft forward, perf/RESULTS.md).
+    (two 6-row verifies of the 1.5B and four 0.5B int8 forwards: 0.5-0.6 s on one Zen 4 core, 1.3 s on models
+    that had not run yet; perf/RESULTS.md).
     """
     _check_int("rows", rows, 1)
     model, target = _unbatched(drafter.model), _unbatched(target)
