@@ -387,8 +387,9 @@ class BlockWeight:
     def pack(self) -> "BlockWeight":
         """Rearrange an int8-activation CPU weight into :func:`pack_a8`'s tiles, the layout its GEMM reads, and
         drop the GGUF layout (nothing is lost: ``blocks`` unpacks it). Others are left as they are."""
-        if self._tiles is None and self.int8_activations and self.device.type == "cpu":
-            self._tiles = pack_a8(self.type, self._blocks, self.shape[0], self.shape[1])
+        blocks = self._blocks  # read once: another thread may pack at the same time (the tiles are set first)
+        if self._tiles is None and blocks is not None and self.int8_activations and self.device.type == "cpu":
+            self._tiles = pack_a8(self.type, blocks, self.shape[0], self.shape[1])
             self._blocks = None
         return self
 

@@ -246,3 +246,18 @@ def test_a8_packed_weight_keeps_its_values(level):
     if level != "torch":
         with pytest.raises(RuntimeError, match="tiles must be a contiguous CPU uint8 tensor of 4736 bytes"):
             cpu.qops().qlinear_a8(x, w.tiles[:1, :4032], TYPE_IDS["Q4_K"], 5, 512, None)
+
+
+def test_a8_weight_packs_once_under_concurrent_first_calls():
+    # the server's workers may make a weight's first product at the same time: each must see whole tiles
+    from concurrent.futures import ThreadPoolExecutor
+
+    n, k = 33, 512
+    blocks = torch.from_numpy(random_blocks("Q4_K", n, k, seed=7))
+    x = _with_outliers(2, k, seed=7)
+    want = qlinear(x, BlockWeight("Q4_K", blocks, (n, k), "int8"))
+    for _ in range(5):
+        w = BlockWeight("Q4_K", blocks, (n, k), "int8")
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda _: qlinear(x, w), range(16)))
+        assert all(torch.equal(g, want) for g in got) and w._blocks is None
