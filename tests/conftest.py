@@ -23,6 +23,11 @@ import torch  # noqa: E402
 if _TEST_DEVICE == "cuda":
     torch.set_default_device("cuda")
 
+# make test runs one pytest-xdist worker a core: one intra-op thread each keeps the cores from being
+# oversubscribed (OpenMP threads spin while they wait). Tests about threads set their own counts.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_seed():

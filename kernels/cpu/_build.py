@@ -20,8 +20,11 @@ import torch
 
 __all__ = ["CFLAGS", "NativeBuildError", "build"]
 
-CFLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno"]
-"""Every level's flags start with these; the level adds its -m flags. No -ffast-math: linking it sets
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+"""Every level's flags start with these; the level adds its -m flags. -fopenmp: at::parallel_for is inline in
+ATen's headers and runs its loop on one thread unless the extension itself is compiled with OpenMP (_OPENMP);
+linked with -fopenmp too, the extension shares torch's libgomp (the same soname, already loaded), so
+torch.set_num_threads sets its threads. No -ffast-math: linking it sets
 flush-to-zero for the whole process, the target's maths included. No -march=native: a level's binary holds
 that level's instructions only, so a lower level built on a newer CPU is the binary an older CPU runs."""
 
@@ -94,6 +97,7 @@ def build(name: str, sources: list[Path], prefix: str, what: str, cflags: list[s
         (out / "lock").unlink(missing_ok=True)
         try:
             cpp_extension.load(name, [str(src) for src in sources], extra_cflags=cflags,
+                               extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
                                extra_include_paths=[str(INCLUDE)], build_directory=str(out), is_python_module=False,
                                verbose=False)
         except Exception as e:  # compiler missing or failing, ninja missing, headers missing
