@@ -89,11 +89,6 @@ def _k_scale_min_u8(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    sc, mn = _k_scale_min_u8(s)
-    return sc.float(), mn.float()
-
-
 def _k_low4(qs: torch.Tensor) -> torch.Tensor:
     """Q4_K / Q5_K: 128 bytes -> [nb, 8, 32]: sub-block 2i the low nibbles of bytes 32i.., 2i+1 their high ones."""
     qs = qs.reshape(-1, 4, 1, 32)
@@ -134,25 +129,13 @@ def dequantize_ref(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
     if type_name == "Q5_1":
         q = (_nibbles(b[:, 8:24]) | (_bits32(b[:, 4:8]) << 4)).float()
         return (_f16(b[:, 0:2]) * q + _f16(b[:, 2:4])).reshape(-1)
+    q, sc, mn, d, dmin = _k_quants(type_name, b)  # the k-quants: integers first, then gguf's fp32 operations
     if type_name in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, mn = _k_scale_min(b[:, 4:16])
-        if type_name == "Q4_K":
-            q = _k_low4(b[:, 16:144])
-        else:
-            qh = b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
-            q = _k_low4(b[:, 48:176]) | ((qh & 1) << 4)
-        ds = (d * sc)[:, :, None]
-        dm = (dmin * mn)[:, :, None]
-        return (ds * q.float() - dm).reshape(-1)
-    # Q6_K: ql[128], qh[64], 16 int8 scales, d
-    ql = b[:, 0:128].reshape(-1, 2, 1, 64)
-    ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
-    qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts[None, None, :, None]) & 3).reshape(-1, 8, 32)
-    q = ((ql | (qh << 4)).float() - 32.0).reshape(-1, 16, 16)
-    ds = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float())[:, :, None]
-    return (ds * q).reshape(-1)
+        ds = (_f16(d) * sc.float())[:, :, None]
+        dm = (_f16(dmin) * mn.float())[:, :, None]
+        return (ds * q.reshape(-1, 8, 32).float() - dm).reshape(-1)
+    ds = (_f16(d) * sc.contiguous().view(torch.int8).float())[:, :, None]
+    return (ds * (q.float() - 32.0).reshape(-1, 16, 16)).reshape(-1)
 
 
 A8_TILE_ROWS = 16
