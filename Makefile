@@ -21,14 +21,16 @@ demo: venv
 	$(VENV)/bin/graphspec run --target qwen2.5-coder-0.5b-instruct --draft smollm2-135m-instruct \
 	    --chat --max-new-tokens 96 "Write a Python function that checks whether a string is a palindrome."
 
-# Two pytest workers (pytest-xdist): most tests run one torch thread, so two processes use both cores of these
+# Two pytest workers (pytest-xdist): each runs one torch thread, so two processes use both cores of these
 # machines; more workers would each load the real checkpoints (memory). PYTEST_WORKERS=0 runs in one process.
+# PYTHONSAFEPATH=1 (here and in every worker): the current directory is not put first on sys.path, so this
+# repository's kernels/ (graphspec.kernels) does not hide the "kernels" package transformers >= 5.25 imports.
 PYTEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS)
+	PYTHONSAFEPATH=1 $(PY) -m pytest tests -q -n $(PYTEST_WORKERS)
 
 bench: venv
-	$(PY) -m pytest perf -q --benchmark-only
+	PYTHONSAFEPATH=1 $(PY) -m pytest perf -q --benchmark-only
 
 # The kernel tests (interpreted, and the sm_90 compile checks) under the GPU machine's triton (3.6, see
 # ../shared/GPU.md) instead of the venv's, so a Triton feature that 3.6 lacks fails here rather than in a
@@ -40,4 +42,4 @@ check-device-triton: venv
 	test -d $(DEVICE_TRITON_DIR) || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
 	    --target $(DEVICE_TRITON_DIR) "triton==$(DEVICE_TRITON)" "numpy==2.2.6"
 	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -c "import triton; assert triton.__version__ == '$(DEVICE_TRITON)', triton.__version__"
-	PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -m pytest tests/kernels -q -p no:cacheprovider
+	PYTHONSAFEPATH=1 PYTHONPATH=$(DEVICE_TRITON_DIR) $(PY) -m pytest tests/kernels -q -p no:cacheprovider

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from perf._common import TARGET, machine_info, output_path, read_bandwidth, save_json, step_weight_bytes  # noqa: E402
 
 NAMES = ("wqkv", "wo", "w13", "w2")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from graphspec.cli import _confidence  # noqa: E402  (the CLI's --draft-confidence parser: P, auto or none)
 from perf._common import CROSS_DRAFT, DRAFT, TARGET, load_prompts, machine_info  # noqa: E402
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, RESULTS_CSV, TARGET, append_results, load_prompts,  # noqa: E402
                           machine_info, output_path, read_bandwidth, save_json, step_weight_bytes)
 

@@ -407,7 +407,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     out = Path(os.environ.get("OUT") or (ROOT / "perf" / "results" / "gpu_check"))
     out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))
     log = Log(out)
     import torch
 

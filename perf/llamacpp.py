@@ -48,7 +48,7 @@ import tarfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from perf._common import DRAFT, TARGET, load_prompts  # noqa: E402
 
 VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp (the issue measured this one)

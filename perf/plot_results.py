@@ -17,7 +17,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from perf._common import PERF_DIR, RESULTS_CSV  # noqa: E402
 
 PAIRS = {"spec_0.5b": "Qwen2.5-Coder-0.5B draft", "spec_smollm2": "SmolLM2-135M draft (other tokenizer)"}

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from perf._common import DRAFT, TARGET, load_prompts, machine_info, output_path, save_json  # noqa: E402
 

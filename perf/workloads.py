@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from perf._common import DRAFT, PERF_DIR, TARGET, load_prompts, machine_info  # noqa: E402
 from perf.e2e import DTYPES, encode_prompts  # noqa: E402
 

@@ -52,7 +52,7 @@ def test_the_readme_is_short_and_its_links_resolve():
 
 
 def test_the_results_table_has_its_columns_and_e2e_appends_to_it(tmp_path):
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))
     from perf._common import RESULTS_COLUMNS, RESULTS_CSV, append_results
 
     with RESULTS_CSV.open(newline="") as f:

@@ -33,7 +33,7 @@ TIME_LIMIT = 300         # seconds per surface
 def test_surface(surface, tmp_path):
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("TRITON_INTERPRET", None)
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); " \
+    code = f"import sys; sys.path.append({str(Path(__file__).parent.parent)!r}); " \
            f"from tests.test_properties import _run; _run({surface!r}, {str(tmp_path)!r})"
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIME_LIMIT,
