@@ -60,6 +60,9 @@ def have_ptxas() -> bool:
 
 def run_compile_check(module: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True,
+    # `python -m module` with the repository appended to sys.path, not first: its kernels/ would hide the "kernels"
+    # package transformers imports (make test sets PYTHONSAFEPATH, so -m alone would not find tests/ at all)
+    code = f"import runpy, sys; sys.path.append({str(REPO)!r}); runpy.run_module({module!r}, run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
