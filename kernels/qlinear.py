@@ -35,6 +35,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -189,6 +191,7 @@ def _k_encode(type_name: str, q, sc, mn, d, dmin) -> torch.Tensor:
     return torch.cat([ql, qh.reshape(nb, 64), sc, d], dim=1)
 
 
+@functools.cache  # unpack_a8 runs on every embedding lookup of a packed tied embedding: build it once
 def _a8_order(type_name: str) -> torch.Tensor:
     """Where each byte of a tile comes from in the plain layout (all low-nibble runs, the high runs, the scales
     [sub-block][row], the mins, d, dmin): the tile stores its runs and scales in the order the C++ kernels read them
@@ -218,6 +221,12 @@ def _a8_order(type_name: str) -> torch.Tensor:
         put(base + 544 * (sb % 4) + 512 + 16 * (sb // 4), base + 2048 + 16 * sb, 16)
     put(base + 2176, base + 2176, 192)  # the mins, d and dmin, where the plain layout has them
     return order
+
+
+@functools.cache
+def _a8_unorder(type_name: str) -> torch.Tensor:
+    """The inverse of :func:`_a8_order`: where each byte of the plain layout lies in a tile."""
+    return torch.argsort(_a8_order(type_name))
 
 
 def pack_a8(type_name: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -278,7 +287,7 @@ def unpack_a8(type_name: str, tiles: torch.Tensor, n: int, k: int) -> torch.Tens
     hold."""
     nsb, tb = k // 256, A8_TILE_BYTES[type_name]
     g = tiles.numel() // (nsb * tb)
-    t = tiles.reshape(g, nsb, tb)[..., torch.argsort(_a8_order(type_name)).to(tiles.device)]
+    t = tiles.reshape(g, nsb, tb)[..., _a8_unorder(type_name).to(tiles.device)]
     nib = t[..., :2048].reshape(g, nsb, 32, A8_TILE_ROWS, 4)
     q = torch.cat([nib & 0x0F, nib >> 4], dim=2)  # [g, nsb, quad, row, 4]
     off = 2048
