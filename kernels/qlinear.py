@@ -328,7 +328,7 @@ class BlockWeight:
     ``blocks`` then unpacks them (a copy) and ``rows`` unpacks only the tiles it needs.
     """
 
-    __slots__ = ("type", "_blocks", "_tiles", "shape", "dtype", "device", "activations")
+    __slots__ = ("type", "_blocks", "_tiles", "shape", "dtype", "device", "activations", "_native")
 
     def __init__(self, type_name: str, blocks: torch.Tensor, shape, activations: str = "fp32"):
         if activations not in ACTIVATIONS:
@@ -353,10 +353,17 @@ class BlockWeight:
         self.dtype = torch.float32
         self.device = blocks.device
         self.activations = activations
+        self._native = {}
 
     @property
     def ndim(self) -> int:
         return 2
+
+    def native(self, level: str | None = None):
+        """This weight as the C++ ``BlockLinear`` of ``level`` (default: the level in force; a C++ level), which
+        the C++ forward (``graphspec.kernels.cpu.block_model``) takes: its own bytes (the tiles once packed), not
+        a copy; made once per level."""
+        return _native_linear(self, [self], level)
 
     @property
     def int8_activations(self) -> bool:
@@ -418,7 +425,7 @@ class BlockWeight:
 class StackedWeight:
     """Weights stacked along N (``[sum N_i, K]``), each a BlockWeight; ``linear`` runs each and concatenates."""
 
-    __slots__ = ("parts", "shape", "dtype", "device")
+    __slots__ = ("parts", "shape", "dtype", "device", "_native")
 
     def __init__(self, parts):
         parts = list(parts)
@@ -431,10 +438,15 @@ class StackedWeight:
         self.shape = torch.Size((sum(p.shape[0] for p in parts), k))
         self.dtype = torch.float32
         self.device = parts[0].device
+        self._native = {}
 
     @property
     def ndim(self) -> int:
         return 2
+
+    def native(self, level: str | None = None):
+        """The parts as one C++ ``BlockLinear`` of ``level`` (see :meth:`BlockWeight.native`)."""
+        return _native_linear(self, self.parts, level)
 
     @property
     def nbytes(self) -> int:
@@ -445,6 +457,25 @@ class StackedWeight:
 
     def __repr__(self) -> str:
         return f"StackedWeight({', '.join(repr(p) for p in self.parts)})"
+
+
+def _native_linear(owner, parts, level):
+    """``owner``'s BlockLinear of ``level`` over ``parts``, kept on the owner (rebuilt if a part's bytes were
+    replaced, as ``pack`` does)."""
+    level = cpu.level() if level is None else level
+    if level == "torch" or owner.device.type != "cpu":
+        raise ValueError(f"{owner!r}: the C++ block forward runs at a C++ level on the CPU, not at {level!r} on "
+                         f"{owner.device.type}")
+    for p in parts:
+        p.pack()
+    data = [p._tiles if p.int8_activations else p.blocks for p in parts]
+    key = tuple(id(t) for t in data)
+    found = owner._native.get(level)
+    if found is None or found[0] != key:
+        obj = cpu.qclasses(level).BlockLinear(data, [TYPE_IDS[p.type] for p in parts], [p.shape[0] for p in parts],
+                                              [int(p.int8_activations) for p in parts], owner.shape[1])
+        found = owner._native[level] = (key, obj)
+    return found[1]
 
 
 def stack(parts) -> BlockWeight | StackedWeight:

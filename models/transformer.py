@@ -22,7 +22,7 @@
   bandwidth-bound draft step reads half the bytes of bf16. Approximate, so never for a target.
   That GEMM takes and returns fp32, so an int8 model computes in fp32 between its GEMMs (norms,
   biases, KV cache; ``dtype`` is fp32) and no casts sit between ops. Its cached forwards (a draft
-  runs one per proposed token) take ``_forward_int8``: C++ loops around the same GEMMs
+  runs one per proposed token) take ``_forward_native``: C++ loops around the same GEMMs
   (``graphspec.kernels.cpu.int8_draft``) at every C++ level of the CPU backend, because at these
   sizes the per-op cost is a large part of a draft step; at the torch level, the general forward.
 - ``quantize="int4"``: an int8 model whose C++ forward runs the layers' products of up to 3 rows
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from graphspec.kernels import cpu
 from graphspec.kernels._dispatch import use_backend
 from graphspec.kernels.attention import attention, check_tree, tree_mask
-from graphspec.kernels.cpu import int8_draft
+from graphspec.kernels.cpu import block_model, int8_draft
 from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.qlinear import BlockWeight, StackedWeight
 from graphspec.kernels.rmsnorm import rmsnorm
@@ -239,8 +239,8 @@ class Transformer:
             return []
         # One at a time: int4 picks its GEMM by the row count, and an int8 model off the C++ levels runs
         # int8_linear_ref, whose torch matmul is not row-exact.
-        if len(requests) == 1 or self.quantize == "int4" or (
-                self.quantize and not (self.lean_int8_forward and cpu.available())):
+        native = self._native_model()
+        if len(requests) == 1 or self.quantize == "int4" or (self.quantize and native is None):
             return [self.step(**r) for r in requests]
         ids, pos, segments, rows = [], [], [], []
         head = requests[0].get("head")
@@ -259,9 +259,9 @@ class Transformer:
             pos.append(t_pos)
             segments.append((r["cache"], t_ids.shape[1], r.get("tree")))
             rows.append(self._rows(r.get("logits_for", "all"), t_ids.shape[1]))
-        if self.quantize and self.lean_int8_forward and cpu.available():
+        if native is not None:
             with torch.no_grad():
-                logits = self._forward_int8_many(ids, pos, segments, rows, head)
+                logits = self._forward_native_many(native, ids, pos, segments, rows, head)
         else:
             logits = self._run(torch.cat(ids, dim=1), torch.cat(pos, dim=1), segments, rows, head)
         for cache, t, _ in segments:
@@ -323,9 +323,10 @@ class Transformer:
 
     def _forward(self, ids, positions, cache, logits_for, head=None, tree=None) -> torch.Tensor:
         rows = self._rows(logits_for, ids.shape[1])
-        if self.quantize and self.lean_int8_forward and cache is not None and cpu.available():
+        native = None if cache is None else self._native_model()
+        if native is not None:
             with torch.no_grad():
-                return self._forward_int8(ids, positions, cache, rows, head, tree)
+                return self._forward_native(native, ids, positions, cache, rows, head, tree)
         return self._run(ids, positions, [(cache, ids.shape[1], tree)], [rows], head)[0]
 
     def _embed(self, ids) -> torch.Tensor:
@@ -385,14 +386,27 @@ class Transformer:
             o = torch.cat(outs, dim=1)
         return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
 
-    # int8 models run cached forwards through _forward_int8 where the CPU backend has a C++ level (False: the
-    # general forward, for comparisons).
-    lean_int8_forward = True
+    # Cached forwards of int8 models and of GGUF block-weight models run in C++ where the CPU backend has a C++
+    # level (False: the general forward, for comparisons).
+    native_forward = True
 
-    def _forward_int8(self, ids, positions, cache, rows, head, tree=None) -> torch.Tensor:
-        """A cached forward of an int8 model in C++ (``graphspec.kernels.cpu.int8_draft``): ``_forward``'s math
-        as loops in place around the same int8 GEMMs, at the CPU level in force; any batch, causal or through a
-        draft tree's mask. Logits ``[B, n, V]`` fp32; tested against ``_forward``."""
+    def _native_model(self):
+        """The C++ object that runs this model's cached forwards (``int8_draft.draft_for``: int8;
+        ``block_model.model_for``: GGUF blocks), or None where the general forward runs them."""
+        if not self.native_forward or self.device.type != "cpu" or not cpu.available():
+            return None
+        if self.quantize:
+            return int8_draft.draft_for(self)
+        if self.weights and all(isinstance(w, (BlockWeight, StackedWeight)) for w in [self.lm_head] + [
+                getattr(layer, n) for layer in self.layers for n in ("wqkv", "wo", "w13", "w2")]):
+            return block_model.model_for(self)
+        return None
+
+    def _forward_native(self, native, ids, positions, cache, rows, head, tree=None) -> torch.Tensor:
+        """A cached forward in C++ (``graphspec.kernels.cpu.int8_draft`` / ``block_model``, both on
+        ``layer_stack.h``): ``_forward``'s math as loops in place around the model's own GEMMs, at the CPU level
+        in force; any batch, causal or through a draft tree's mask. Logits ``[B, n, V]`` fp32; tested against
+        ``_forward``."""
         t = ids.shape[1]
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_attention_scaling)  # [B, T, 1, D]
         mask = None
@@ -400,13 +414,13 @@ class Transformer:
             check_tree(tree, t, cache.length + t, ids.device)
             mask = tree_mask(tree, cache.length + t)
         head_w = (self.lm_head if head is None else head).native()
-        h = F.embedding(ids, self.embed).float()  # [B, T, H]
-        return int8_draft.draft_for(self).forward(h, cos.contiguous(), sin.contiguous(), cache.length, cache.k,
-                                                  cache.v, head_w, rows, mask)
+        h = self._embed(ids).float()  # [B, T, H]
+        return native.forward(h, cos.contiguous(), sin.contiguous(), cache.length, cache.k, cache.v, head_w, rows,
+                              mask)
 
-    def _forward_int8_many(self, ids, positions, segments, rows, head) -> list[torch.Tensor]:
-        """``_forward_int8`` for several sequences in one C++ forward (``Int8Draft.forward_many``): the GEMMs over
-        every sequence's rows, attention per sequence; each sequence's logits are its own forward's bits."""
+    def _forward_native_many(self, native, ids, positions, segments, rows, head) -> list[torch.Tensor]:
+        """``_forward_native`` for several sequences in one C++ forward (``forward_many``): the GEMMs over every
+        sequence's rows, attention per sequence; each sequence's logits are its own forward's bits."""
         device = self.device
         cos, sin = rope_tables(torch.cat(positions, dim=1), self.inv_freq, self.rope_attention_scaling)
         masks = []
@@ -418,10 +432,10 @@ class Transformer:
                 masks.append(tree_mask(tree, cache.length + t))
         picked, counts = _picked_rows(segments, rows, device)
         head_w = (self.lm_head if head is None else head).native()
-        h = F.embedding(torch.cat(ids, dim=1)[0], self.embed).float()  # [N, H]
+        h = self._embed(torch.cat(ids, dim=1)[0]).float()  # [N, H]
         kc = [k for cache, _, _ in segments for k in cache.k]
         vc = [v for cache, _, _ in segments for v in cache.v]
-        out = int8_draft.draft_for(self).forward_many(
+        out = native.forward_many(
             h, cos.contiguous(), sin.contiguous(), [cache.length for cache, _, _ in segments],
             [t for _, t, _ in segments], kc, vc, head_w, picked, masks)  # [n, V]
         return [x.unsqueeze(0) for x in out.split(counts)]

@@ -92,8 +92,8 @@ def main(argv=None) -> int:
             if layout in ("plain", "onednn"):
                 relayout(model, layout)
             if quantize:
-                model.lean_int8_forward = layout.startswith("int8-native")
-                if model.lean_int8_forward:
+                model.native_forward = layout.startswith("int8-native")
+                if model.native_forward:
                     if not cpu.available():
                         raise SystemExit(f"the C++ int8 forward is unavailable at level {cpu.level()} ({cpu.ENV}); "
                                          "pass --int8-forwards general")

@@ -268,12 +268,13 @@ def _namespace(name: str, prefix: str, load) -> object:
     return got
 
 
-_QSOURCES = [_HERE / "qgemm.cpp"]
+_QSOURCES = [_HERE / "qgemm.cpp", _HERE / "block_model.cpp"]
 
 
 @functools.cache
 def _load_q(name: str) -> None:
-    """Build (or reuse) and load level ``name``'s block-format GEMM extension (``qgemm.cpp``) once per process.
+    """Build (or reuse) and load level ``name``'s block-format extension (``qgemm.cpp``: the GEMMs;
+    ``block_model.cpp``: the cached forward around them) once per process.
 
     Its own extension (``graphspec_cpuq_<level>``), so that editing it rebuilds only itself; -ffp-contract=off
     keeps its dequantization op for op the gguf package's (no fused multiply-adds the source does not ask for).
@@ -288,6 +289,13 @@ def qops(name: str | None = None):
     if name == "torch":
         raise ValueError("the torch level has no C++ ops; check available() first")
     return _namespace(name, "graphspec_cpuq_", _load_q)
+
+
+def qclasses(name: str | None = None):
+    """The block-format custom classes of level ``name`` (default: the level in force): ``BlockLinear``,
+    ``BlockModel``."""
+    qops(name)
+    return getattr(torch.classes, f"graphspec_cpuq_{level() if name is None else name}")
 
 
 def classes(name: str | None = None):

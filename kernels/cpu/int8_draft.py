@@ -5,7 +5,7 @@ dispatch and allocation for a few hundred floats); the C++ runs the same maths a
 graphspec's int8 GEMM (``int8_gemm.h``).
 
 - What runs here: every cached forward of an int8 model (``quantize="int8"`` or ``"int4"``, always a draft):
-  any batch, chains and draft trees (a mask). ``Transformer._forward_int8`` calls it at every C++ level; at the
+  any batch, chains and draft trees (a mask). ``Transformer._forward_native`` calls it at every C++ level; at the
   torch level the general forward runs instead, on :func:`graphspec.kernels.linear.int8_linear_ref`.
 - The weights are the model's ``Int8Weight``\\ s packed for the level (``Int8Weight.native``), shared with
   their eager ``linear``: no second copy.

@@ -1063,6 +1063,14 @@ std::string level_name() { return GS_LEVEL_NAME; }
 
 }  // namespace
 
+// block_model.cpp (the same extension) calls the two GEMMs directly; the op namespace names the C++ one, so each
+// level's binary keeps its own.
+namespace GS_NS {
+at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k, bool a8) {
+  return a8 ? qlinear_a8(x, data, type, n, k, c10::nullopt) : qlinear(x, data, type, n, k, c10::nullopt);
+}
+}  // namespace GS_NS
+
 GS_LIBRARY(m) {
   m.def("level", &level_name);
   m.def("qlinear(Tensor x, Tensor blocks, int type, int n, int k, Tensor? bias) -> Tensor", &qlinear);

@@ -151,14 +151,14 @@ def test_int4_forward_is_fp32_maths_on_the_4_bit_weights(model):
     cache = model.new_cache(64)
     out, j = [], 0
     try:
-        model.lean_int8_forward = False
+        model.native_forward = False
         for n in CHUNKS:
             _dense(model, dense4 if n <= INT4_ROWS else dense8, head.dense())
             logits = model.step(ids[:, j:j + n], cache, logits_for="last" if j == 0 else "all")
             out += [logits] if j else []
             j += n
     finally:
-        model.lean_int8_forward = True
+        model.native_forward = True
         _dense(model, saved, head)
     dense = torch.cat(out, dim=1)
     big = dense.abs().max().item()

@@ -4,7 +4,7 @@ at every C++ level this CPU executes.
 - The GEMM (int8 weights widened to fp32, fp32 activations and sums) against its definition in torch
   (``kernels.linear.int8_linear_ref``) at every level, on odd shapes, with activation outliers; rows independent
   of the rows beside them and of the thread count; avx512 and avx2 (the same FMA order) bit for bit.
-- The C++ forward against the general forward (``lean_int8_forward = False``), which runs the same int8 GEMM on
+- The C++ forward against the general forward (``native_forward = False``), which runs the same int8 GEMM on
   the same level through ``kernels.linear``: they differ only in fp32 rounding order (norms, attention, a
   polynomial exp with relative error < 3e-7), so logits agree within ATOL on these small models; batches and
   draft trees included. A real draft's quality is tested on real text in tests/models/test_draft_quality.py.
@@ -61,11 +61,11 @@ CHUNKS = (7, 1, 2, 1, 3, 1, 5)  # a prefill, then one-token proposals and multi-
 def _run(model, cpp, ids, positions=None, head=None, logits_for="all"):
     """Logits of every chunk after the prefill, concatenated on the row axis, and the final cache: through the
     C++ forward (``cpp``) or the general one."""
-    model.lean_int8_forward = cpp
+    model.native_forward = cpp
     try:
         return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)
     finally:
-        model.lean_int8_forward = True
+        model.native_forward = True
 
 
 def _ids(model, seed, batch=1):
@@ -81,7 +81,7 @@ def test_cpp_forward_matches_the_general_forward(model, level, monkeypatch):
     native, cache_n = _run(model, True, ids)
     assert len(calls) == len(CHUNKS)  # every forward ran in C++ ...
     general, cache_g = _run(model, False, ids)
-    assert len(calls) == len(CHUNKS)  # ... and none with lean_int8_forward=False
+    assert len(calls) == len(CHUNKS)  # ... and none with native_forward=False
     assert native.shape == general.shape == (1, sum(CHUNKS[1:]), model.config.vocab_size)
     assert_rows_close(native, general, ATOL, flip_share=0.25)
     assert general.abs().max() > 0.5  # logits of real size, so the tolerance means something
@@ -122,7 +122,7 @@ def test_cpp_forward_runs_batches_and_draft_trees(model, level, monkeypatch):
                          [True, False, True, True]])
     out = []
     for cpp in (True, False):
-        model.lean_int8_forward = cpp
+        model.native_forward = cpp
         try:
             cache = model.new_cache(32)
             model.step(ids[:1, :9], cache, logits_for="last")
@@ -132,7 +132,7 @@ def test_cpp_forward_runs_batches_and_draft_trees(model, level, monkeypatch):
             out.append(model.step(ids[:1, 13:15], cache, positions=torch.tensor([[11, 12]]),
                                   tree=torch.cat([wide[:, :3], torch.tensor([[True, False], [True, True]])], 1)))
         finally:
-            model.lean_int8_forward = True
+            model.native_forward = True
     assert len(calls) == len(CHUNKS) + 3
     for a, b in zip(out[:2], out[2:]):
         assert_rows_close(a, b, ATOL)

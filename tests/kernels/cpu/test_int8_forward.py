@@ -1,6 +1,6 @@
 """int8 models (drafts on a CPU): fp32 between the GEMMs, and cached forwards on the C++ path.
 
-``Transformer._forward_int8`` (graphspec.kernels.cpu.int8_draft) is ``_forward``'s math as C++ loops for the
+``Transformer._forward_native`` (graphspec.kernels.cpu.int8_draft) is ``_forward``'s math as C++ loops for the
 steps a draft runs (prefill, one-token proposals, multi-token catch-ups, a beam's tree levels); here it must give
 ``_forward``'s logits (same int8 GEMMs, same fp32 math, only the order of fp32 sums differs) on every
 architecture and every C++ level, with biases, a batch, explicit positions, a pruned head and each
@@ -14,7 +14,8 @@ from graphspec.kernels.linear import Int8Weight
 from graphspec.models import load_model
 from tests.checkpoints import make_checkpoint
 from tests.kernels.cpu._int_gemm import assert_rows_close
-from tests.models._chunks import chunked_steps
+from tests.models._chunks import TREE_LEVELS as LEVELS
+from tests.models._chunks import chunked_steps, tree_levels
 
 pytestmark = pytest.mark.usefixtures("level")  # every C++ level this CPU executes
 
@@ -43,23 +44,23 @@ CHUNKS = (7, 1, 2, 1, 3)  # a prefill, then one-token steps and multi-token catc
 
 def _steps(model, fast, ids, positions=None, head=None, logits_for="all"):
     """Logits of every chunk after the prefill, concatenated on the row axis."""
-    model.lean_int8_forward = fast
+    model.native_forward = fast
     try:
         return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)[0]
     finally:
-        model.lean_int8_forward = True
+        model.native_forward = True
 
 
 def test_lean_forward_matches_the_general_forward(model, monkeypatch):
     calls = []
-    lean = type(model)._forward_int8
-    monkeypatch.setattr(type(model), "_forward_int8", lambda self, *a: calls.append(1) or lean(self, *a))
+    lean = type(model)._forward_native
+    monkeypatch.setattr(type(model), "_forward_native", lambda self, *a: calls.append(1) or lean(self, *a))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=g)
     fast = _steps(model, True, ids)
     assert len(calls) == len(CHUNKS)  # every cached forward took the lean path ...
     general = _steps(model, False, ids)
-    assert len(calls) == len(CHUNKS)  # ... and lean_int8_forward=False none
+    assert len(calls) == len(CHUNKS)  # ... and native_forward=False none
     assert fast.shape == general.shape == (2, sum(CHUNKS[1:]), model.config.vocab_size)
     assert_rows_close(fast, general, ATOL)
     assert general.abs().max() > 0.5  # logits of real size, so the tolerance means something
@@ -81,49 +82,11 @@ def test_lean_forward_with_positions_head_and_rows(model):
     assert (shifted - full).abs().max() > 1e-2  # positions reach rope: a test of them can fail
 
 
-def _beam_levels(model, fast, prompt, levels):
-    """A beam draft's forwards: the prompt, then each level's rows under ``tree [T, m]`` masks, as the beam
-    passes them; returns each level's logits. ``levels``: lists of (token, parent node or -1) per level.
-
-    """
-    model.lean_int8_forward = fast
-    try:
-        cache = model.new_cache(64)
-        model.step(prompt, cache, logits_for="last")
-        base = cache.length
-        slot, depth, out = [], [], []
-        for level in levels:
-            first = cache.length
-            m = first - base + len(level)
-            tree = torch.zeros(len(level), m, dtype=torch.bool)
-            pos = []
-            for r, (_, parent) in enumerate(level):
-                tree[r, m - len(level) + r] = True
-                d, a = 0, parent
-                while a >= 0:
-                    tree[r, slot[a] - base] = True
-                    a, d = _parent(levels, a), d + 1
-                pos.append(base + d)
-            ids = torch.tensor([[t for t, _ in level]])
-            out.append(model.step(ids, cache, positions=torch.tensor([pos]), tree=tree))
-            slot += [first + r for r in range(len(level))]
-        return out
-    finally:
-        model.lean_int8_forward = True
-
-
-def _parent(levels, node):
-    """The parent of flat node index ``node`` over all levels (-1: the root)."""
-    flat = [p for level in levels for _, p in level]
-    return flat[node]
-
-
-LEVELS = [[(6, -1), (5, -1)], [(3, 0), (5, 1), (8, 0)], [(9, 2), (7, 4)]]  # (token, parent): nodes 0 1 | 2 3 4 | 5 6
 
 
 def test_lean_forward_with_a_wide_tree_matches_the_general_forward(model):
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]]) % model.config.vocab_size
-    lean, general = _beam_levels(model, True, prompt, LEVELS), _beam_levels(model, False, prompt, LEVELS)
+    lean, general = tree_levels(model, True, prompt, LEVELS), tree_levels(model, False, prompt, LEVELS)
     for fast, slow in zip(lean, general):
         assert_rows_close(fast, slow, ATOL)
     assert lean[-1].abs().max() > 0.5
@@ -138,7 +101,7 @@ def test_wide_tree_rows_equal_their_paths_fed_in_order(arch, tmp_path):
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]]) % model.config.vocab_size
     flat = [(t, p) for level in LEVELS for t, p in level]
     n = 0
-    for lv, out in enumerate(_beam_levels(model, False, prompt, LEVELS)):
+    for lv, out in enumerate(tree_levels(model, False, prompt, LEVELS)):
         for r in range(len(LEVELS[lv])):
             path, a = [], n + r
             while a >= 0:
@@ -148,5 +111,5 @@ def test_wide_tree_rows_equal_their_paths_fed_in_order(arch, tmp_path):
                              logits_for="last")
             torch.testing.assert_close(out[:, r], seq[:, 0], rtol=1e-4, atol=1e-4)
         n += len(LEVELS[lv])
-    swapped = _beam_levels(model, False, prompt, [LEVELS[0], [(3, 1), (5, 0), (8, 1)]])  # other parents
-    assert (swapped[1] - _beam_levels(model, False, prompt, LEVELS[:2])[1]).abs().max() > 1e-3  # the mask matters
+    swapped = tree_levels(model, False, prompt, [LEVELS[0], [(3, 1), (5, 0), (8, 1)]])  # other parents
+    assert (swapped[1] - tree_levels(model, False, prompt, LEVELS[:2])[1]).abs().max() > 1e-3  # the mask matters

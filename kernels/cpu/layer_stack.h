@@ -1,0 +1,404 @@
+// A Llama-family model's cached forward as loops in place around someone else's GEMMs: the layer machinery that
+// the int8 draft (int8_draft.cpp) and GGUF block-weight models (block_model.cpp) share.
+//
+// Why: a decode step is mostly not its GEMMs' set-up but, outside them, some 25 torch ops a layer (norms, rope,
+// cache writes, attention, activations, residual adds), each paying dispatch, allocation and Python for a few
+// thousand floats. Here those are plain loops over the rows; each GEMM is the caller's (a functor).
+//
+// Scope: any batch B with one cache start for all rows, or several sequences with caches, starts and row counts
+// of their own (forward_many: the batched engine), any number of new tokens T; attention over the cache causal
+// (row t sees slots 0 .. start + t) or through a mask [T, start + T] (a draft tree: the row's cached prefix, its
+// ancestors and itself); rope from the caller's cos / signed-sin tables, so any positions. Every row's result
+// depends on its own row and its sequence's cache only (norms, rope and attention run per row, in one order;
+// the GEMMs must be row-exact too), so a sequence gets the same bits alone, with more rows, and among others.
+// The fp32 sums run in another order than torch's and exp is a polynomial (relative error < 3e-7): the logits
+// are not the general (torch) forward's bits, and the tests compare them with a tolerance.
+#pragma once
+
+#include <torch/script.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "level.h"
+#include "native_math.h"
+
+namespace graphspec_native {
+// Internal linkage: each extension (one per level and file set, some built with -ffp-contract=off) keeps its own
+// copy, so no binary's loops are bound to another's at load time.
+namespace {
+
+// y = x * rsqrt(mean(x^2) + eps) * w over n floats (the residual stream's rms norm, fp32)
+inline void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+// q . k over D floats, in a fixed order per level.
+inline float dot_f32(const float* q, const float* k, int64_t D) {
+#if GS_AVX512
+  if (D % 16 == 0) {  // one fp32 sum a lane, then one horizontal add
+    __m512 v = _mm512_setzero_ps();
+    for (int64_t j = 0; j < D; j += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), v);
+    return _mm512_reduce_add_ps(v);
+  }
+#elif GS_AVX2
+  if (D % 8 == 0) {
+    __m256 v = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D; j += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), v);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+  }
+#endif
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < D; ++j) acc += q[j] * k[j];
+  return acc;
+}
+
+// W: a handle to one GEMM weight (c10::intrusive_ptr of a class with in_features() and out_features()); the
+// GEMM itself is the functor every forward takes: gemm(const W& w, const at::Tensor& x [rows, K] fp32,
+// bool head) -> [rows, N] fp32, head true for the lm_head's product. `who` prefixes every error message.
+template <class W>
+struct LayerStack {
+  std::vector<W> wqkv, wo, w13, w2;
+  std::vector<c10::optional<at::Tensor>> bqkv, bo;
+  std::vector<at::Tensor> in_norm, post_norm;
+  at::Tensor norm;
+  int64_t hq, hk, d, hidden;
+  double eps, scale;
+  std::string who;
+
+  LayerStack(std::string who_, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
+             double rms_eps, double attn_scale, at::Tensor final_norm)
+      : norm(std::move(final_norm)), hq(num_heads), hk(num_kv_heads), d(head_dim), hidden(hidden_size),
+        eps(rms_eps), scale(attn_scale), who(std::move(who_)) {
+    TORCH_CHECK(hq > 0 && hk > 0 && hq % hk == 0, who, ": num_heads=", hq, " must be a positive multiple of ",
+                "num_kv_heads=", hk);
+    TORCH_CHECK(d > 0 && d % 2 == 0, who, ": head_dim=", d, " must be positive and even (rope)");
+    check_float(norm, "the final norm");
+    TORCH_CHECK(norm.numel() == hidden, who, ": the final norm has ", norm.numel(), " values, hidden_size is ",
+                hidden);
+  }
+
+  void check_float(const at::Tensor& t, const char* what) const {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), who, ": ", what,
+                " must be a contiguous fp32 CPU tensor, got ", t.scalar_type(), " on ", t.device(),
+                t.is_contiguous() ? "" : " (not contiguous)");
+  }
+
+  void add_layer(W qkv, c10::optional<at::Tensor> b_qkv, W o, c10::optional<at::Tensor> b_o, W gate_up, W down,
+                 at::Tensor n_in, at::Tensor n_post) {
+    check_float(n_in, "an input norm");
+    check_float(n_post, "a post-attention norm");
+    TORCH_CHECK(n_in.numel() == hidden && n_post.numel() == hidden, who, ": a layer's norms must have ", hidden,
+                " values");
+    const int64_t qkv_cols = (hq + 2 * hk) * d;
+    TORCH_CHECK(qkv->in_features() == hidden && qkv->out_features() == qkv_cols && o->in_features() == hq * d &&
+                    o->out_features() == hidden && gate_up->in_features() == hidden &&
+                    gate_up->out_features() % 2 == 0 && down->in_features() == gate_up->out_features() / 2 &&
+                    down->out_features() == hidden,
+                who, ": a layer's weights do not fit hidden_size=", hidden, ", ", hq, "/", hk, " heads of ", d);
+    if (b_qkv) {
+      check_float(*b_qkv, "a qkv bias");
+      TORCH_CHECK(b_qkv->numel() == qkv_cols, who, ": the qkv bias must have ", qkv_cols, " values");
+    }
+    if (b_o) {
+      check_float(*b_o, "an o_proj bias");
+      TORCH_CHECK(b_o->numel() == hidden, who, ": the o_proj bias must have ", hidden, " values");
+    }
+    wqkv.push_back(std::move(qkv));
+    bqkv.push_back(std::move(b_qkv));
+    wo.push_back(std::move(o));
+    bo.push_back(std::move(b_o));
+    w13.push_back(std::move(gate_up));
+    w2.push_back(std::move(down));
+    in_norm.push_back(std::move(n_in));
+    post_norm.push_back(std::move(n_post));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(wqkv.size()); }
+
+  // One row's attention: one query per q head over the cache slots slot[0 .. n) ([S, hk, D] rows of k and v).
+  void attend(const float* q, const float* kb, const float* vb, float* out, float* scores, const int64_t* slot,
+              int64_t n) const {
+    const int64_t D = d, group = hq / hk, row = hk * D;
+    const float sc = static_cast<float>(scale);
+    for (int64_t i = 0; i < n; ++i) {  // scores [hq, n]: each key row read once, in slot order
+      const float* kr = kb + slot[i] * row;
+      for (int64_t h = 0; h < hq; ++h) scores[h * n + i] = dot_f32(q + h * D, kr + (h / group) * D, D) * sc;
+    }
+    for (int64_t h = 0; h < hq; ++h) {
+      float* sr = scores + h * n;
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        sr[i] = fast_exp(sr[i] - mx);
+        sum += sr[i];
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
+      std::fill(out + h * D, out + (h + 1) * D, 0.f);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = vb + slot[i] * row;
+      for (int64_t h = 0; h < hq; ++h) {
+        const float p = scores[h * n + i];
+        const float* vh = vr + (h / group) * D;
+        float* o = out + h * D;
+#pragma omp simd
+        for (int64_t j = 0; j < D; ++j) o[j] += p * vh[j];
+      }
+    }
+  }
+
+  // One sequence of a forward: its new rows [row0, row0 + T) of the stacked rows, its caches (per layer, the
+  // base of its [capacity, hk, D] slots), the first slot its rows take, and the slots each row attends to.
+  struct Segment {
+    std::vector<float*> k, v;
+    int64_t start = 0, T = 0, row0 = 0, len = 0;
+    std::vector<int64_t> slots, counts;  // [T * len], [T]
+  };
+
+  // A segment's slots per row: the causal prefix, or a mask's (bool [T, start + T]; an undefined or empty
+  // tensor: causal).
+  void set_slots(Segment& s, const at::Tensor* mask) const {
+    const int64_t T = s.T, len = s.start + s.T;
+    s.len = len;
+    s.slots.assign(T * len, 0);
+    s.counts.assign(T, 0);
+    if (mask != nullptr && mask->defined() && mask->numel() > 0) {
+      TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == T && mask->size(1) == len,
+                  who, ": the mask must be bool [", T, ", ", len, "], got ", mask->scalar_type(), " ",
+                  mask->sizes());
+      const at::Tensor m = mask->contiguous();
+      const bool* mp = m.data_ptr<bool>();
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t j = 0; j < len; ++j)
+          if (mp[t * len + j]) s.slots[t * len + s.counts[t]++] = j;
+        TORCH_CHECK(s.counts[t] > 0, who, ": mask row ", t, " attends to nothing");
+      }
+    } else {
+      for (int64_t t = 0; t < T; ++t) {
+        s.counts[t] = s.start + t + 1;
+        for (int64_t j = 0; j < s.counts[t]; ++j) s.slots[t * len + j] = j;
+      }
+    }
+  }
+
+  // Checks a sequence's caches: L layers of [batch, >= need, hk, D] fp32, one capacity; returns the capacity.
+  int64_t check_caches(const std::vector<at::Tensor>& kc, const std::vector<at::Tensor>& vc, size_t first,
+                       int64_t batch, int64_t need) const {
+    int64_t cap = 0;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      for (const at::Tensor* c : {&kc[first + i], &vc[first + i]}) {
+        check_float(*c, "a KV cache");
+        TORCH_CHECK(c->dim() == 4 && c->size(0) == batch && c->size(2) == hk && c->size(3) == d &&
+                        c->size(1) >= need && (i == 0 || c->size(1) == cap),
+                    who, ": a KV cache must be [", batch, ", >= ", need, ", ", hk, ", ", d, "], got ", c->sizes());
+        cap = c->size(1);
+      }
+    }
+    return cap;
+  }
+
+  // The layers and the head over the stacked rows h [N, H] of the segments; cos, sin hold [N, D] values;
+  // picked: the rows (indices into N) whose logits are wanted.
+  template <class Gemm>
+  at::Tensor run(const at::Tensor& h_in, const at::Tensor& cos_t, const at::Tensor& sin_t, std::vector<Segment>& segs,
+                 const W& head, const at::Tensor& picked, const Gemm& gemm) const {
+    const int64_t H = hidden, D = d, half = D / 2, L = num_layers(), BT = h_in.size(0);
+    int64_t max_len = 1;
+    for (const Segment& sg : segs) max_len = std::max(max_len, sg.len);
+    at::Tensor h = h_in.to(at::kFloat).reshape({BT, H}).clone();  // the residual stream, updated in place
+    at::Tensor xn = at::empty({BT, H}, h.options());
+    at::Tensor att = at::empty({BT, hq * D}, h.options());
+    std::vector<float> q(hq * D), scores(hq * max_len);
+    float* hp = h.data_ptr<float>();
+    float* xp = xn.data_ptr<float>();
+    float* ap = att.data_ptr<float>();
+    const at::Tensor cos_c = cos_t.contiguous(), sin_c = sin_t.contiguous();
+    const float* cs = cos_c.data_ptr<float>();
+    const float* sn = sin_c.data_ptr<float>();
+    const float e = static_cast<float>(eps);
+    const int64_t qkv_cols = (hq + 2 * hk) * D;
+    for (int64_t i = 0; i < L; ++i) {
+      const float* w_in = in_norm[i].data_ptr<float>();
+      for (int64_t r = 0; r < BT; ++r) rms_norm(hp + r * H, w_in, xp + r * H, H, e);
+      at::Tensor qkv = gemm(wqkv[i], xn, false);
+      if (bqkv[i]) qkv.add_(*bqkv[i]);
+      // rope q and k, write k and v of every row into its slot, then attend (a row's keys are all written first:
+      // with a mask a row may see later new tokens' slots only if the mask says so, and those are written too)
+      for (const Segment& sg : segs) {
+        float* kb = sg.k[i];
+        float* vb = sg.v[i];
+        for (int64_t t = 0; t < sg.T; ++t) {
+          const int64_t r = sg.row0 + t;
+          const float* row = qkv.data_ptr<float>() + r * qkv_cols;
+          const float* c = cs + r * D;
+          const float* s = sn + r * D;
+          float* kslot = kb + (sg.start + t) * hk * D;
+          for (int64_t hh = hq; hh < hq + hk; ++hh) {
+            const float* x = row + hh * D;
+            float* y = kslot + (hh - hq) * D;
+            for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + x[j + half] * s[j];
+            for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
+          }
+          std::memcpy(vb + (sg.start + t) * hk * D, row + (hq + hk) * D, sizeof(float) * hk * D);
+        }
+        for (int64_t t = 0; t < sg.T; ++t) {
+          const int64_t r = sg.row0 + t;
+          const float* row = qkv.data_ptr<float>() + r * qkv_cols;
+          const float* c = cs + r * D;
+          const float* s = sn + r * D;
+          for (int64_t hh = 0; hh < hq; ++hh) {  // x * cos + roll(x, D/2) * signed_sin: rotate-half rope
+            const float* x = row + hh * D;
+            float* y = q.data() + hh * D;
+            for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + x[j + half] * s[j];
+            for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
+          }
+          attend(q.data(), kb, vb, ap + r * hq * D, scores.data(), sg.slots.data() + t * sg.len, sg.counts[t]);
+        }
+      }
+      at::Tensor o = gemm(wo[i], att, false);
+      if (bo[i]) o.add_(*bo[i]);
+      const float* op = o.data_ptr<float>();
+      const float* w_post = post_norm[i].data_ptr<float>();
+      for (int64_t r = 0; r < BT; ++r) {
+        float* hr = hp + r * H;
+#pragma omp simd
+        for (int64_t j = 0; j < H; ++j) hr[j] += op[r * H + j];
+        rms_norm(hr, w_post, xp + r * H, H, e);
+      }
+      at::Tensor gu = gemm(w13[i], xn, false);  // [BT, 2I]: gate then up
+      const int64_t I = gu.size(1) / 2;
+      at::Tensor act = at::empty({BT, I}, h.options());
+      float* gp = gu.data_ptr<float>();
+      float* actp = act.data_ptr<float>();
+      for (int64_t r = 0; r < BT; ++r) {
+        const float* g = gp + r * 2 * I;
+        float* a = actp + r * I;
+#pragma omp simd
+        for (int64_t j = 0; j < I; ++j) a[j] = g[j] / (1.f + fast_exp(-g[j])) * g[j + I];  // silu(gate) * up
+      }
+      at::Tensor dn = gemm(w2[i], act, false);
+      const float* dp = dn.data_ptr<float>();
+#pragma omp simd
+      for (int64_t j = 0; j < BT * H; ++j) hp[j] += dp[j];
+    }
+    const at::Tensor last = h.index_select(0, picked.to(at::kLong)).contiguous();
+    const int64_t n = last.size(0), V = head->out_features();
+    if (n == 0) return at::empty({0, V}, h.options());  // no rows wanted (a caller's empty logits_for)
+    at::Tensor out = at::empty({n, H}, h.options());
+    for (int64_t r = 0; r < n; ++r)
+      rms_norm(last.data_ptr<float>() + r * H, norm.data_ptr<float>(), out.data_ptr<float>() + r * H, H, e);
+    return gemm(head, out, true);
+  }
+
+  void check_inputs(const at::Tensor& cos_t, const at::Tensor& sin_t, int64_t rows, const W& head) const {
+    check_float(cos_t, "cos");
+    check_float(sin_t, "sin");
+    TORCH_CHECK(cos_t.numel() == rows * d && sin_t.numel() == rows * d, who, ": cos and sin must hold ", rows, " x ",
+                d, " values, got ", cos_t.sizes(), " and ", sin_t.sizes());
+    TORCH_CHECK(head->in_features() == hidden, who, ": the head takes ", head->in_features(), " inputs, not ", hidden);
+  }
+
+  // h [B, T, H] fp32 embeddings of the new tokens; cos, sin [B, T, 1, D] (sin signed: rope_tables); caches
+  // [B, capacity, hk, D] fp32, slots start .. start+T-1 written here; head: the lm_head (or a pruned one);
+  // rows: the rows of each sequence whose logits are wanted (None: all); mask: None (causal) or bool
+  // [T, start + T], row t attending to slot s where mask[t, s]. Returns logits [B, n, V] fp32.
+  template <class Gemm>
+  at::Tensor forward(const at::Tensor& h_in, const at::Tensor& cos_t, const at::Tensor& sin_t, int64_t start,
+                     const std::vector<at::Tensor>& kc, const std::vector<at::Tensor>& vc, const W& head,
+                     const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& mask,
+                     const Gemm& gemm) const {
+    const int64_t H = hidden, L = num_layers();
+    TORCH_CHECK(h_in.dim() == 3 && h_in.size(2) == H && h_in.size(0) >= 1, who, ": h must be [B, T, ", H, "], got ",
+                h_in.sizes());
+    const int64_t B = h_in.size(0), T = h_in.size(1), BT = B * T;
+    TORCH_CHECK(T >= 1, who, ": no tokens to run");
+    check_inputs(cos_t, sin_t, BT, head);
+    TORCH_CHECK(static_cast<int64_t>(kc.size()) == L && static_cast<int64_t>(vc.size()) == L, who, ": ", L,
+                " layers but ", kc.size(), " key and ", vc.size(), " value caches");
+    TORCH_CHECK(start >= 0, who, ": start=", start);
+    const int64_t cap = check_caches(kc, vc, 0, B, start + T), seq = cap * hk * d;
+    std::vector<Segment> segs(B);
+    for (int64_t b = 0; b < B; ++b) {  // each batch row a sequence of its own, sharing start, T and slots
+      Segment& sg = segs[b];
+      sg.start = start;
+      sg.T = T;
+      sg.row0 = b * T;
+      if (b == 0) {
+        set_slots(sg, mask ? &*mask : nullptr);
+      } else {
+        sg.len = segs[0].len;
+        sg.slots = segs[0].slots;
+        sg.counts = segs[0].counts;
+      }
+      for (int64_t i = 0; i < L; ++i) {
+        sg.k.push_back(kc[i].data_ptr<float>() + b * seq);
+        sg.v.push_back(vc[i].data_ptr<float>() + b * seq);
+      }
+    }
+    at::Tensor per = rows ? rows->to(at::kLong).contiguous() : at::arange(T, at::kLong);
+    const int64_t n = per.numel();
+    at::Tensor picked = (at::arange(B, at::kLong).mul_(T).view({B, 1}) + per.view({1, n})).reshape({B * n});
+    at::Tensor logits = run(h_in.reshape({BT, H}), cos_t, sin_t, segs, head, picked, gemm);
+    return logits.view({B, n, head->out_features()});
+  }
+
+  // Several sequences in one forward (the batched engine): h [N, H], their new tokens stacked; cos, sin [N, D];
+  // sequence s has lens[s] rows from slot starts[s] on, caches kc[s * L + l], vc[s * L + l] ([1, capacity, hk,
+  // D]) and masks[s] (an empty tensor: causal); picked: the rows of N whose logits are wanted. Each sequence's
+  // logits are the bits forward() gives it alone. Returns [n, V].
+  template <class Gemm>
+  at::Tensor forward_many(const at::Tensor& h_in, const at::Tensor& cos_t, const at::Tensor& sin_t,
+                          const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
+                          const std::vector<at::Tensor>& kc, const std::vector<at::Tensor>& vc, const W& head,
+                          const at::Tensor& picked, const std::vector<at::Tensor>& masks, const Gemm& gemm) const {
+    const int64_t H = hidden, L = num_layers();
+    const size_t S = starts.size();
+    TORCH_CHECK(S >= 1 && lens.size() == S && masks.size() == S, who, ": starts, lens and masks must have one ",
+                "entry per sequence (", S, ", ", lens.size(), ", ", masks.size(), ")");
+    TORCH_CHECK(kc.size() == S * L && vc.size() == S * L, who, ": ", S, " sequences of ", L, " layers need ", S * L,
+                " key and value caches, got ", kc.size(), " and ", vc.size());
+    TORCH_CHECK(h_in.dim() == 2 && h_in.size(1) == H, who, ": h must be [N, ", H, "], got ", h_in.sizes());
+    std::vector<Segment> segs(S);
+    int64_t row0 = 0;
+    for (size_t s = 0; s < S; ++s) {
+      Segment& sg = segs[s];
+      TORCH_CHECK(starts[s] >= 0 && lens[s] >= 1, who, ": sequence ", s, " has start ", starts[s], " and ", lens[s],
+                  " rows");
+      sg.start = starts[s];
+      sg.T = lens[s];
+      sg.row0 = row0;
+      row0 += lens[s];
+      check_caches(kc, vc, s * L, 1, sg.start + sg.T);
+      set_slots(sg, &masks[s]);
+      for (int64_t i = 0; i < L; ++i) {
+        sg.k.push_back(kc[s * L + i].data_ptr<float>());
+        sg.v.push_back(vc[s * L + i].data_ptr<float>());
+      }
+    }
+    TORCH_CHECK(row0 == h_in.size(0), who, ": the sequences have ", row0, " rows but h has ", h_in.size(0));
+    check_inputs(cos_t, sin_t, row0, head);
+    return run(h_in, cos_t, sin_t, segs, head, picked, gemm);
+  }
+};
+
+}  // namespace
+}  // namespace graphspec_native

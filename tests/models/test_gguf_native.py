@@ -1,0 +1,125 @@
+"""GGUF block-weight models' cached forwards in C++ (graphspec.kernels.cpu.block_model, on layer_stack.h).
+
+``Transformer._forward_native`` runs ``_forward``'s math as loops around the same block GEMMs for every cached
+forward of a ``weights="gguf"`` / ``"gguf-a8"`` model on the CPU. It must be what runs, give the general
+forward's logits (fp32 activations: within 1e-5 relative, only the order of fp32 sums and the exp differ) on
+every C++ level with a batch, explicit positions, a pruned head, each ``logits_for`` and a wide tree, keep the
+rows of ``step_many`` bit-identical to each sequence's own step, and reject what it cannot run with a message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphspec.kernels import cpu
+from graphspec.models import load_model
+from tests.kernels.cpu._int_gemm import assert_rows_close
+from tests.models._chunks import TREE_LEVELS, chunked_steps, tree_levels
+from tests.models.test_gguf_target import write_block_gguf
+
+pytestmark = pytest.mark.usefixtures("level")  # every C++ level this CPU executes
+
+CHUNKS = (7, 1, 2, 1, 3)  # a prefill, then one-token steps and multi-token catch-ups
+RTOL = 1e-5  # fp32 activations: only the order of fp32 sums (norms, attention) and a polynomial exp differ
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def path(request, tmp_path_factory):
+    """A tiny GGUF of every block format the kernels run, mixed within the fused q/k/v (StackedWeights)."""
+    return write_block_gguf(tmp_path_factory.mktemp("gguf_native") / f"{request.param}.gguf", request.param)
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _steps(model, fast, ids, **kw):
+    model.native_forward = fast
+    try:
+        return chunked_steps(model, ids, CHUNKS, **kw)[0]
+    finally:
+        model.native_forward = True
+
+
+def test_the_native_forward_runs_and_matches_the_general_forward(path, monkeypatch):
+    model = load_model(path, weights="gguf")
+    calls = []
+    native = type(model)._forward_native
+    monkeypatch.setattr(type(model), "_forward_native", lambda self, *a: calls.append(1) or native(self, *a))
+    ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=torch.Generator().manual_seed(0))
+    fast = _steps(model, True, ids)
+    assert len(calls) == len(CHUNKS)  # every cached forward took the C++ path ...
+    general = _steps(model, False, ids)
+    assert len(calls) == len(CHUNKS)  # ... and native_forward=False none
+    assert fast.shape == general.shape == (2, sum(CHUNKS[1:]), model.config.vocab_size)
+    assert _rel(fast, general) <= RTOL, _rel(fast, general)
+    assert general.abs().max() > 0.5  # logits of real size, so the tolerance means something
+
+
+def test_positions_head_rows_and_trees(path):
+    model = load_model(path, weights="gguf")
+    n = sum(CHUNKS)
+    ids = torch.randint(0, model.config.vocab_size, (2, n), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(n).expand(2, n) * 3 + torch.tensor([[0], [5]])
+    keep = torch.tensor([0, 3, 7, 11, model.config.vocab_size - 1])
+    head = model.head_rows(keep)
+    for kw in ({"positions": positions}, {"head": head}, {"logits_for": "last"}, {"logits_for": torch.tensor([0, 0])}):
+        fast, general = _steps(model, True, ids, **kw), _steps(model, False, ids, **kw)
+        assert _rel(fast, general) <= RTOL, (kw, _rel(fast, general))
+    full = _steps(model, True, ids)
+    torch.testing.assert_close(_steps(model, True, ids, head=head), full[..., keep], rtol=1e-5, atol=1e-5)
+    assert (_steps(model, True, ids, positions=positions) - full).abs().max() > 1e-2  # positions reach rope
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    for fast, general in zip(tree_levels(model, True, prompt, TREE_LEVELS),
+                             tree_levels(model, False, prompt, TREE_LEVELS)):
+        assert _rel(fast, general) <= RTOL
+
+
+@pytest.mark.parametrize("weights", ["gguf", "gguf-a8"])
+def test_step_many_gives_each_sequence_its_own_bits(path, weights, monkeypatch):
+    model = load_model(path, weights=weights)
+    calls = []
+    many = type(model)._forward_native_many
+    monkeypatch.setattr(type(model), "_forward_native_many", lambda self, *a: calls.append(1) or many(self, *a))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.vocab_size, (1, n), generator=g) for n in (5, 9, 3)]
+    blocks = [torch.randint(0, model.config.vocab_size, (1, n), generator=g) for n in (1, 4, 2)]
+    alone, caches = [], []
+    for p, b in zip(prompts, blocks):
+        cache = model.new_cache(32)
+        model.step(p, cache, logits_for="last")
+        alone.append(model.step(b, cache))
+        cache = model.new_cache(32)
+        model.step(p, cache, logits_for="last")
+        caches.append(cache)
+    together = model.step_many([{"token_ids": b, "cache": c} for b, c in zip(blocks, caches)])
+    assert calls == [1]
+    for a, t in zip(alone, together):
+        assert torch.equal(a, t)
+    assert [c.length for c in caches] == [p.shape[1] + b.shape[1] for p, b in zip(prompts, blocks)]
+
+
+def test_int8_activations_stay_close_to_the_general_forward(path):
+    """gguf-a8 rounds each product's activations to int8, so a 1e-7 difference can move one across a rounding
+    step; the two forwards must still agree row by row as the int8 draft's do (assert_rows_close)."""
+    model = load_model(path, weights="gguf-a8")
+    ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=torch.Generator().manual_seed(3))
+    assert_rows_close(_steps(model, True, ids), _steps(model, False, ids), atol=1e-3)
+
+
+def test_what_it_cannot_run_is_said(path):
+    model = load_model(path, weights="gguf")
+    with pytest.raises(ValueError, match="C\\+\\+ level"):
+        model.lm_head.native("torch")
+    qcls = cpu.qclasses()
+    part = model.layers[0].wo
+    with pytest.raises(RuntimeError, match="block_native: a BlockLinear needs one type"):
+        qcls.BlockLinear([part.blocks], [], [part.shape[0]], [0], part.shape[1])
+    with pytest.raises(RuntimeError, match="bytes for a"):  # a part whose bytes do not fit its shape
+        qcls.BlockLinear([part.blocks[:-1]], [3], [part.shape[0]], [0], part.shape[1])
+    with pytest.raises(RuntimeError, match="block_native: a layer's weights do not fit"):
+        obj = qcls.BlockModel(4, 2, 64, 256, 1e-6, 0.125, model.norm.float())
+        layer = model.layers[0]
+        obj.add_layer(layer.wo.native(), None, layer.wo.native(), None, layer.w13.native(), layer.w2.native(),
+                      layer.input_norm.float(), layer.post_norm.float())
