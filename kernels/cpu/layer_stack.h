@@ -17,6 +17,7 @@
 
 #include <torch/script.h>
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -130,39 +131,32 @@ struct LayerStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(wqkv.size()); }
 
-  // One row's attention: one query per q head over the cache slots slot[0 .. n) ([S, hk, D] rows of k and v).
-  void attend(const float* q, const float* kb, const float* vb, float* out, float* scores, const int64_t* slot,
-              int64_t n) const {
-    const int64_t D = d, group = hq / hk, row = hk * D;
+  // One query head of one row: q [D] over the cache slots slot[0 .. n) of kv head kvh ([S, hk, D] rows of k and
+  // v), into out [D]; scores: n floats of scratch. The same operations in the same order whichever thread runs it.
+  void attend_head(const float* q, const float* kb, const float* vb, int64_t kvh, float* out, float* scores,
+                   const int64_t* slot, int64_t n) const {
+    const int64_t D = d, row = hk * D;
     const float sc = static_cast<float>(scale);
-    for (int64_t i = 0; i < n; ++i) {  // scores [hq, n]: each key row read once, in slot order
-      const float* kr = kb + slot[i] * row;
-      for (int64_t h = 0; h < hq; ++h) scores[h * n + i] = dot_f32(q + h * D, kr + (h / group) * D, D) * sc;
-    }
-    for (int64_t h = 0; h < hq; ++h) {
-      float* sr = scores + h * n;
-      float mx = -INFINITY;
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
-        sr[i] = fast_exp(sr[i] - mx);
-        sum += sr[i];
-      }
-      const float inv = 1.f / sum;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
-      std::fill(out + h * D, out + (h + 1) * D, 0.f);
-    }
+    float mx = -INFINITY;
     for (int64_t i = 0; i < n; ++i) {
-      const float* vr = vb + slot[i] * row;
-      for (int64_t h = 0; h < hq; ++h) {
-        const float p = scores[h * n + i];
-        const float* vh = vr + (h / group) * D;
-        float* o = out + h * D;
+      scores[i] = dot_f32(q, kb + slot[i] * row + kvh * D, D) * sc;
+      mx = std::max(mx, scores[i]);
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      scores[i] = fast_exp(scores[i] - mx);
+      sum += scores[i];
+    }
+    const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t j = 0; j < D; ++j) o[j] += p * vh[j];
-      }
+    for (int64_t i = 0; i < n; ++i) scores[i] *= inv;
+    std::fill(out, out + D, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float p = scores[i];
+      const float* vh = vb + slot[i] * row + kvh * D;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) out[j] += p * vh[j];
     }
   }
 
@@ -227,7 +221,11 @@ struct LayerStack {
     at::Tensor h = h_in.to(at::kFloat).reshape({BT, H}).clone();  // the residual stream, updated in place
     at::Tensor xn = at::empty({BT, H}, h.options());
     at::Tensor att = at::empty({BT, hq * D}, h.options());
-    std::vector<float> q(hq * D), scores(hq * max_len);
+    at::Tensor qr = at::empty({BT, hq * D}, h.options());  // the rows' queries after rope
+    float* qp = qr.data_ptr<float>();
+    std::vector<int64_t> row_seg(BT);  // each row's segment
+    for (size_t sgi = 0; sgi < segs.size(); ++sgi)
+      for (int64_t t = 0; t < segs[sgi].T; ++t) row_seg[segs[sgi].row0 + t] = static_cast<int64_t>(sgi);
     float* hp = h.data_ptr<float>();
     float* xp = xn.data_ptr<float>();
     float* ap = att.data_ptr<float>();
@@ -267,13 +265,23 @@ struct LayerStack {
           const float* s = sn + r * D;
           for (int64_t hh = 0; hh < hq; ++hh) {  // x * cos + roll(x, D/2) * signed_sin: rotate-half rope
             const float* x = row + hh * D;
-            float* y = q.data() + hh * D;
+            float* y = qp + r * hq * D + hh * D;
             for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + x[j + half] * s[j];
             for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
           }
-          attend(q.data(), kb, vb, ap + r * hq * D, scores.data(), sg.slots.data() + t * sg.len, sg.counts[t]);
         }
       }
+      // every (row, q head) on its own, split between the threads: a row's bits do not depend on the split
+      at::parallel_for(0, BT * hq, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(max_len);
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t r = item / hq, hh = item % hq;
+          const Segment& sg = segs[row_seg[r]];
+          const int64_t t = r - sg.row0;
+          attend_head(qp + item * D, sg.k[i], sg.v[i], hh / (hq / hk), ap + item * D, scores.data(),
+                      sg.slots.data() + t * sg.len, sg.counts[t]);
+        }
+      });
       at::Tensor o = gemm(wo[i], att, false);
       if (bo[i]) o.add_(*bo[i]);
       const float* op = o.data_ptr<float>();
