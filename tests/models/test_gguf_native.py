@@ -123,3 +123,20 @@ def test_what_it_cannot_run_is_said(path):
         layer = model.layers[0]
         obj.add_layer(layer.wo.native(), None, layer.wo.native(), None, layer.w13.native(), layer.w2.native(),
                       layer.input_norm.float(), layer.post_norm.float())
+
+
+@pytest.mark.parametrize("weights", ["gguf", "gguf-a8"])
+def test_logits_keep_their_bits_at_any_thread_count(path, weights):
+    """The GEMMs split output rows and attention splits (row, head) items between the threads; nothing a row
+    computes depends on the split, so greedy output does not change with --threads."""
+    model = load_model(path, weights=weights)
+    ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got.append(_steps(model, True, ids))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
