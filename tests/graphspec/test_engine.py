@@ -5,6 +5,7 @@ chi-square oracle). Greedy outputs are token-exact; seeded sampled outputs are t
 sampling distribution through the engine, with other sequences in the batch, passes the chi-square test.
 """
 
+import contextlib
 import gc
 import threading
 import time
@@ -501,13 +502,23 @@ class _Recording(SpeculationPolicy):
         return super().plan(max_k, sequences)
 
 
+@contextlib.contextmanager
+def _started_together(engine):
+    """Requests submitted inside start together: until the block ends no forward runs (their first model calls wait
+    on the batcher's lock) and no speculation plan is made (the plan lock). Holding back the forwards alone is not
+    enough: a one-token prompt ("a") has no prefill forward, so its sequence asks for its first plan at once, and on
+    a busy host it would plan before this thread's next submit, for the sequences submitted so far."""
+    with engine._batcher._cv, engine._plan_lock:
+        yield
+
+
 def test_policy_counts_sequences_still_in_their_prefill(tiny_dirs):
     """The first sequence to finish its prefill plans for every sequence started with it, not as if alone (else
     it would draft, and prefill its draft, for a batch of one)."""
     pipe = _pipes(tiny_dirs, torch.float32)["model"]
     policy = _Recording(CostTable(target={1: 1.0, 64: 1.0}, draft={1: 0.0}))
     engine = Engine(pipe, max_batch=4, policy=policy)
-    with engine._batcher._cv:  # no forward runs until all four are in (their first calls wait on this lock)
+    with _started_together(engine):
         seqs = [engine.submit(p, max_new_tokens=4, ignore_eos=True) for p in PROMPTS[:4]]
     for s in seqs:
         s.result(timeout=60)
@@ -572,7 +583,7 @@ def test_engine_plans_once_a_step_for_all_sequences(tiny_dirs):
                   CostTable(target={1: 1.0, 64: 64.0}, draft={1: 0.5, 64: 0.5})):    # never drafts
         policy = _Recording(costs)
         engine = Engine(pipe, max_batch=4, policy=policy)
-        with engine._batcher._cv:  # all four start together, so they keep in step
+        with _started_together(engine):  # so they keep in step
             seqs = [engine.submit(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
         got = [s.result(timeout=60) for s in seqs]
         assert [r.token_ids for r in got] == [pipe.run(p, max_new_tokens=12, ignore_eos=True).token_ids
