@@ -830,7 +830,7 @@ class Engine:
         d = self.pipeline.draft
         quantize = getattr(d, "quantize", None)
         return d is not None and (not hasattr(d, "step_many") or quantize == "int4" or (
-            bool(quantize) and not (getattr(d, "lean_int8_forward", False) and cpu.available())))
+            bool(quantize) and not (getattr(d, "native_forward", False) and cpu.available())))
 
     def _budget(self, stats, k: int) -> int:
         """This step's draft length for the calling sequence: K for sampled ones (so that a seed gives the same
