@@ -9,7 +9,9 @@ requantization; perf/llamacpp.py builds it), graphspec's plain decoding of the s
 ``weights="gguf"`` (the GGUF's exact model: fp32 activations) and ``weights="gguf-a8"`` (the k-quants on int8
 activations, llama.cpp's arithmetic), each through the same code path as speculation with no draft, and
 graphspec's speculative decoding on each with the zoo's 0.5B as the draft (its GGUF in blocks, or
-``--draft int8``: its converted checkpoint with int8 weights), greedy, ``ignore_eos``. Reported: tokens/s, the ratios
+``--draft int8``: its converted checkpoint with int8 weights), greedy, ``ignore_eos``; with ``--transformers``,
+transformers' plain greedy ``generate`` on the same GGUF file too (transformers cannot run GGUF blocks: it
+dequantizes the file at load, here to bf16, its fastest CPU dtype, so it reads 3 GB a step where the blocks are 1). Reported: tokens/s, the ratios
 measured in this run, and the bandwidth graphspec's plain decoding reached for the bytes a step reads (its
 GEMM weights: every layer's and the lm_head). One JSON line per thread count and weights is appended to
 perf/quantized.jsonl with the machine it ran on.
@@ -51,6 +53,44 @@ def _decode(pipe, prompts, tokens: int) -> dict:
             "acceptance": accepted / proposed if proposed else None, "token_ids": texts}
 
 
+def _transformers_peer(name: str, tok):
+    """transformers on zoo model ``name``'s GGUF file (dequantized at load to bf16): ``run(prompts, n) -> dict``
+    of plain greedy decoding, n new tokens a prompt, the prompts encoded by graphspec's tokenizer ``tok``."""
+    import torch
+    import transformers
+
+    from graphspec.models.gguf_weights import gguf_file_for
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path = gguf_file_for(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.bfloat16).eval()
+    def generate(x, n):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=tok.eos_token_ids[0])
+        return time.perf_counter() - t0, out.shape[1] - x.shape[1]
+
+    def run(prompts, n: int) -> dict:
+        """Decode speed as graphspec's decode_seconds counts it: the prefill and first token (a 1-token
+        generate of the same prompt) taken off."""
+        done, seconds = 0, 0.0
+        for prompt in prompts:
+            text = tok.apply_chat_template(prompt) if isinstance(prompt, list) else prompt
+            ids = tok.encode(text, add_special_tokens=not isinstance(prompt, list))
+            x = torch.tensor([ids])
+            first, _ = generate(x, 1)
+            total, new = generate(x, n)
+            seconds += total - first
+            done += new - 1
+        return {"tokens_per_second": done / seconds, "tokens": done, "dtype": "bfloat16",
+                "transformers": transformers.__version__}
+
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -66,6 +106,8 @@ def main(argv=None) -> int:
                          "speculative run (none)")
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also time transformers loading the same GGUF file (dequantized to bf16 at load), plain")
     args = ap.parse_args(argv)
 
     import torch
@@ -90,8 +132,14 @@ def main(argv=None) -> int:
         from perf import llamacpp
 
         bin_dir = llamacpp.build()
+    hf = _transformers_peer(TARGET, next(iter(targets.values())).tokenizer) if args.transformers else None
     for threads in args.threads:
         torch.set_num_threads(threads)
+        hf_run = None
+        if hf is not None:
+            hf_run = hf(prompts, args.tokens)
+            print(f"{threads} thread(s): transformers (the GGUF dequantized to bf16) {hf_run['tokens_per_second']:.2f} "
+                  f"tok/s", flush=True)
         lc = None
         if bin_dir is not None:
             lc = llamacpp.bench(bin_dir, gguf_file_for(TARGET), threads, n=args.tokens, reps=args.reps)
@@ -103,6 +151,8 @@ def main(argv=None) -> int:
                    "machine": machine_info()}
             if lc is not None:
                 row["llamacpp_tg"] = lc
+            if hf_run is not None:
+                row["transformers_bf16"] = hf_run
             t0 = time.time()
             ar = _decode(graphspec.Pipeline(target), prompts, args.tokens)
             row["graphspec_ar"] = {k: v for k, v in ar.items() if k != "token_ids"}
@@ -126,6 +176,13 @@ def main(argv=None) -> int:
                 if "graphspec_spec" in row:
                     row["spec_vs_llamacpp"] = row["graphspec_spec"]["tokens_per_second"] / lc["tokens_per_second"]
                     line += f", spec/llama.cpp {row['spec_vs_llamacpp']:.2f}"
+            if hf_run is not None:
+                row["ar_vs_transformers"] = ar["tokens_per_second"] / hf_run["tokens_per_second"]
+                line += f" | AR/transformers {row['ar_vs_transformers']:.2f}"
+                if "graphspec_spec" in row:
+                    row["spec_vs_transformers"] = (row["graphspec_spec"]["tokens_per_second"]
+                                                   / hf_run["tokens_per_second"])
+                    line += f", spec/transformers {row['spec_vs_transformers']:.2f}"
             with OUT.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(line, flush=True)
