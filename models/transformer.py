@@ -393,8 +393,8 @@ class Transformer:
     def _native_model(self):
         """The C++ object that runs this model's cached forwards (``int8_draft.draft_for``: int8;
         ``block_model.model_for``: GGUF blocks), or None where the general forward runs them."""
-        if not self.native_forward or self.device.type != "cpu" or not cpu.available():
-            return None
+        if not self.native_forward or self.device.type != "cpu" or not cpu.available() or self.backend == "triton":
+            return None  # (a model pinned to Triton runs its Triton kernels, interpreted on a CPU)
         if self.quantize:
             return int8_draft.draft_for(self)
         if self.weights and all(isinstance(w, (BlockWeight, StackedWeight)) for w in [self.lm_head] + [

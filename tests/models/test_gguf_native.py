@@ -140,3 +140,10 @@ def test_logits_keep_their_bits_at_any_thread_count(path, weights):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
+def test_a_model_pinned_to_triton_keeps_its_kernels(path, monkeypatch):
+    """backend="triton" on a CPU (the interpreter) means the Triton block GEMMs, not the C++ forward."""
+    model = load_model(path, weights="gguf", backend="triton")
+    assert model._native_model() is None
+    assert load_model(path, weights="gguf")._native_model() is not None
