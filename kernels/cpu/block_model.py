@@ -19,6 +19,7 @@ the int8 draft's forward) around the same block GEMMs (``qgemm.cpp``).
 from __future__ import annotations
 
 from graphspec.kernels import cpu
+from graphspec.kernels.cpu.layer_stack import held_stack
 
 __all__ = ["model_for"]
 
@@ -27,23 +28,4 @@ def model_for(model, level: str | None = None):
     """The level's C++ ``BlockModel`` holding ``model``'s block weights (made once per model and level; rebuilt
     if the layers change). ``level``: default the level in force; never torch."""
     level = cpu.level() if level is None else level
-    layers = model.layers
-    key = (level,) + tuple(id(x) for layer in layers for x in (layer.wqkv, layer.wo, layer.w13, layer.w2)) + (
-        id(model.norm),)
-    held = model.__dict__.setdefault("_block_native", {})
-    found = held.get(level)
-    if found is not None and found[0] == key:
-        return found[1]
-    c = model.config
-    obj = cpu.qclasses(level).BlockModel(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
-                                         float(c.rms_norm_eps), float(model.scale), model.norm.float().contiguous())
-
-    def bias(b):
-        return None if b is None else b.float().contiguous()
-
-    for layer in layers:
-        obj.add_layer(layer.wqkv.native(level), bias(layer.bqkv), layer.wo.native(level), bias(layer.bo),
-                      layer.w13.native(level), layer.w2.native(level), layer.input_norm.float().contiguous(),
-                      layer.post_norm.float().contiguous())
-    held[level] = (key, obj)
-    return obj
+    return held_stack(model, cpu.qclasses(level).BlockModel, level, "_block_native")

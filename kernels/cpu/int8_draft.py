@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 
 from graphspec.kernels import cpu
+from graphspec.kernels.cpu.layer_stack import held_stack
 
 __all__ = ["draft_for", "using_gemm"]
 
@@ -32,24 +33,12 @@ def draft_for(model, level: str | None = None):
     """The level's C++ ``Int8Draft`` holding ``model``'s int8 layers (made once per model and level; rebuilt
     if the layers change). ``level``: default the level in force; never torch."""
     level = cpu.level() if level is None else level
-    layers = model.layers
-    key = (level,) + tuple(id(x) for layer in layers for x in (layer.wqkv, layer.wo, layer.w13, layer.w2)) + (
-        id(model.norm),)
-    held = model.__dict__.setdefault("_int8_native", {})
-    found = held.get(level)
-    if found is not None and found[0] == key:
-        return found[1]
-    c = model.config
-    obj = cpu.classes(level).Int8Draft(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size,
-                                       float(c.rms_norm_eps), float(model.scale), model.norm.contiguous())
-    if model.quantize == "int4":
-        obj.set_gemm("int4")
-    for layer in layers:
-        obj.add_layer(layer.wqkv.native(level), layer.bqkv, layer.wo.native(level), layer.bo,
-                      layer.w13.native(level), layer.w2.native(level), layer.input_norm.contiguous(),
-                      layer.post_norm.contiguous())
-    held[level] = (key, obj)
-    return obj
+
+    def configure(obj):
+        if model.quantize == "int4":
+            obj.set_gemm("int4")
+
+    return held_stack(model, cpu.classes(level).Int8Draft, level, "_int8_native", configure)
 
 
 @contextlib.contextmanager
