@@ -24,6 +24,8 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include "int8_gemm.h"
 
 namespace graphspec_native {
@@ -43,38 +45,58 @@ struct Int4Matrix {
   int64_t groups() const { return (k + kI4Group - 1) / kI4Group; }
 };
 
-// q: int8 [N, K] (as pack_int8 takes it), scales: [N] per output row. Rounds again to 4 bits (above).
+// q: int8 [N, K] (as pack_int8 takes it), scales: [N] per output row. Rounds again to 4 bits (above), one pass
+// over the rows in plain loops, split between torch's threads (each output row is written by one thread).
 inline Int4Matrix pack_int4(const at::Tensor& q, const at::Tensor& scales) {
   check_pack_input(q, scales, "pack_int4");
   Int4Matrix m;
   m.n = q.size(0);
   m.k = q.size(1);
-  const int64_t nb = m.blocks(), G = m.groups(), rows = nb * kI8Block;
-  at::Tensor q8 = at::zeros({rows, G * kI4Group}, q.options().dtype(at::kInt));
-  q8.narrow(0, 0, m.n).narrow(1, 0, m.k).copy_(q);
-  at::Tensor sr = at::zeros({rows, 1}, q.options().dtype(at::kFloat));
-  sr.narrow(0, 0, m.n).copy_(scales.to(at::kFloat).view({m.n, 1}));
-  const at::Tensor groups = q8.view({rows, G, kI4Group});
-  const at::Tensor mx = std::get<0>(groups.abs().max(2));  // [rows, G]
-  // q4 = round(q8 * 7 / m), halves away from zero, in integers (exact, so tests can redo it): |q4| <= 7
-  const at::Tensor den = (2 * mx.clamp_min(1)).unsqueeze(2);
-  const at::Tensor q4 = (groups.abs() * 14 + den / 2).div(den, "floor") * groups.sign();
-  const at::Tensor gs = sr * mx.to(at::kFloat) / 7.0f;                    // [rows, G] the groups' scales
-  m.zsum = (gs * q4.sum(2).to(at::kFloat)).sum(1).contiguous();           // [rows]
-  const at::Tensor w = (q4 + 8).to(at::kByte).view({rows, G, 8, 2, 4});  // pair p, half (low / high), input i
+  const int64_t nb = m.blocks(), G = m.groups(), rows = nb * kI8Block, n = m.n, k = m.k;
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor sc = scales.to(at::kFloat).contiguous();
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
   m.data = at::empty({rows * G * kI4Group / 2}, q.options().dtype(at::kByte));
-  m.scales = at::empty({rows * G}, sr.options());
-  for (int64_t b0 = 0, off = 0, soff = 0; b0 < nb; b0 += kI4TileBlocks) {
-    const int64_t tb = std::min(kI4TileBlocks, nb - b0);
-    // [tb * 16, G, 8, 2, 4] -> [G, 8, tb * 16, 4, 2]: per (group, pair, block) 16 outputs x 4 inputs x 2 halves
-    const at::Tensor t = w.narrow(0, b0 * kI8Block, tb * kI8Block).permute({1, 2, 0, 4, 3});
-    const at::Tensor packed = t.select(4, 0).bitwise_or(t.select(4, 1).bitwise_left_shift(4));  // [G, 8, tb*16, 4]
-    m.data.narrow(0, off, packed.numel()).view(packed.sizes()).copy_(packed);
-    off += packed.numel();
-    const at::Tensor st = gs.narrow(0, b0 * kI8Block, tb * kI8Block).t();  // [G, tb * 16]
-    m.scales.narrow(0, soff, st.numel()).view(st.sizes()).copy_(st);
-    soff += st.numel();
-  }
+  m.scales = at::empty({rows * G}, q.options().dtype(at::kFloat));
+  m.zsum = at::empty({rows}, q.options().dtype(at::kFloat));
+  uint8_t* dp = m.data.data_ptr<uint8_t>();
+  float* gp = m.scales.data_ptr<float>();
+  float* zp = m.zsum.data_ptr<float>();
+  at::parallel_for(0, rows, kI8Block, [&](int64_t r0, int64_t r1) {
+    int v[kI4Group], q4[kI4Group];
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / kI8Block, t0 = b / kI4TileBlocks * kI4TileBlocks;  // its block and its tile's first
+      const int64_t tb = std::min(kI4TileBlocks, nb - t0), tr = r - t0 * kI8Block;  // the tile's blocks, row in it
+      uint8_t* tile = dp + t0 * kI8Block * G * kI4Group / 2;  // [G, 8 pairs, tb * 16 rows, 4 bytes]
+      float* tsc = gp + t0 * kI8Block * G;                     // [G, tb * 16]
+      const float s_r = r < n ? sp[r] : 0.0f;
+      double z = 0.0;  // R, summed in double and rounded once: y subtracts z * R from the groups' sum
+      for (int64_t g = 0; g < G; ++g) {
+        int mx = 0;
+        for (int i = 0; i < kI4Group; ++i) {
+          const int64_t col = g * kI4Group + i;
+          v[i] = r < n && col < k ? qp[r * k + col] : 0;
+          mx = std::max(mx, std::abs(v[i]));
+        }
+        // q4 = round(q8 * 7 / m), halves away from zero, in integers (exact, so tests can redo it): |q4| <= 7
+        const int den = 2 * std::max(mx, 1);
+        int qsum = 0;
+        for (int i = 0; i < kI4Group; ++i) {
+          q4[i] = (std::abs(v[i]) * 14 + den / 2) / den * ((v[i] > 0) - (v[i] < 0));
+          qsum += q4[i];
+        }
+        const float gs = s_r * static_cast<float>(mx) / 7.0f;  // the group's scale
+        tsc[g * tb * kI8Block + tr] = gs;
+        z += static_cast<double>(gs) * qsum;
+        for (int p = 0; p < 8; ++p)
+          for (int i = 0; i < 4; ++i)
+            tile[((g * 8 + p) * tb * kI8Block + tr) * 4 + i] =
+                static_cast<uint8_t>((q4[8 * p + i] + 8) | ((q4[8 * p + 4 + i] + 8) << 4));
+      }
+      zp[r] = static_cast<float>(z);  // 0 past n
+    }
+  });
   return m;
 }
 
