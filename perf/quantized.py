@@ -11,10 +11,10 @@ activations, llama.cpp's arithmetic), each through the same code path as specula
 graphspec's speculative decoding on each with the zoo's 0.5B as the draft (its GGUF in blocks, or
 ``--draft int8``: its converted checkpoint with int8 weights), greedy, ``ignore_eos``; with ``--transformers``,
 transformers' plain greedy ``generate`` on the same GGUF file too (transformers cannot run GGUF blocks: it
-dequantizes the file at load, here to bf16, its fastest CPU dtype, so it reads 3 GB a step where the blocks are 1). Reported: tokens/s, the ratios
-measured in this run, and the bandwidth graphspec's plain decoding reached for the bytes a step reads (its
-GEMM weights: every layer's and the lm_head). One JSON line per thread count and weights is appended to
-perf/quantized.jsonl with the machine it ran on.
+dequantizes the file at load, here to bf16, its fastest CPU dtype, so it reads 3 GB a step where the blocks are
+1). Reported: tokens/s, the ratios measured in this run, and the bandwidth graphspec's plain decoding reached
+for the bytes a step reads (its GEMM weights: every layer's and the lm_head). One JSON line per thread count and
+weights is appended to perf/quantized.jsonl with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def _transformers_peer(name: str, tok):
     path = gguf_file_for(name)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.bfloat16).eval()
+
     def generate(x, n):
         t0 = time.perf_counter()
         with torch.inference_mode():

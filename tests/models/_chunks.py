@@ -19,6 +19,19 @@ def chunked_steps(model, ids, chunks, positions=None, head=None, logits_for="all
     return torch.cat(out, dim=1), cache
 
 
+CHUNKS = (7, 1, 2, 1, 3)  # a prefill, then one-token steps and multi-token catch-ups
+
+
+def native_steps(model, native, ids, chunks=CHUNKS, **kw):
+    """The logits of every chunk after the prefill (``chunked_steps``), with ``model.native_forward = native``
+    for these steps (True again after them)."""
+    model.native_forward = native
+    try:
+        return chunked_steps(model, ids, chunks, **kw)[0]
+    finally:
+        model.native_forward = True
+
+
 def tree_levels(model, fast, prompt, levels):
     """A beam draft's forwards: the prompt, then each level's rows under ``tree [T, m]`` masks, as the beam
     passes them; returns each level's logits. ``levels``: lists of (token, parent node or -1) per level.
@@ -55,4 +68,5 @@ def _parent(levels, node):
     return flat[node]
 
 
-TREE_LEVELS = [[(6, -1), (5, -1)], [(3, 0), (5, 1), (8, 0)], [(9, 2), (7, 4)]]  # (token, parent): nodes 0 1 | 2 3 4 | 5 6
+# (token, parent) per level: nodes 0 1 | 2 3 4 | 5 6
+TREE_LEVELS = [[(6, -1), (5, -1)], [(3, 0), (5, 1), (8, 0)], [(9, 2), (7, 4)]]

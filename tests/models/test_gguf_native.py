@@ -15,12 +15,12 @@ import torch
 from graphspec.kernels import cpu
 from graphspec.models import load_model
 from tests.kernels.cpu._int_gemm import assert_rows_close
-from tests.models._chunks import TREE_LEVELS, chunked_steps, tree_levels
-from tests.models.test_gguf_target import write_block_gguf
+from tests.models._chunks import CHUNKS, TREE_LEVELS, tree_levels
+from tests.models._chunks import native_steps as _steps
+from tests.models.test_gguf_target import _rel, write_block_gguf
 
 pytestmark = pytest.mark.usefixtures("level")  # every C++ level this CPU executes
 
-CHUNKS = (7, 1, 2, 1, 3)  # a prefill, then one-token steps and multi-token catch-ups
 RTOL = 1e-5  # fp32 activations: only the order of fp32 sums (norms, attention) and a polynomial exp differ
 
 
@@ -28,18 +28,6 @@ RTOL = 1e-5  # fp32 activations: only the order of fp32 sums (norms, attention) 
 def path(request, tmp_path_factory):
     """A tiny GGUF of every block format the kernels run, mixed within the fused q/k/v (StackedWeights)."""
     return write_block_gguf(tmp_path_factory.mktemp("gguf_native") / f"{request.param}.gguf", request.param)
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _steps(model, fast, ids, **kw):
-    model.native_forward = fast
-    try:
-        return chunked_steps(model, ids, CHUNKS, **kw)[0]
-    finally:
-        model.native_forward = True
 
 
 def test_the_native_forward_runs_and_matches_the_general_forward(path, monkeypatch):

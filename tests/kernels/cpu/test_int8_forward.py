@@ -15,7 +15,8 @@ from graphspec.models import load_model
 from tests.checkpoints import make_checkpoint
 from tests.kernels.cpu._int_gemm import assert_rows_close
 from tests.models._chunks import TREE_LEVELS as LEVELS
-from tests.models._chunks import chunked_steps, tree_levels
+from tests.models._chunks import CHUNKS, tree_levels
+from tests.models._chunks import native_steps as _steps
 
 pytestmark = pytest.mark.usefixtures("level")  # every C++ level this CPU executes
 
@@ -37,18 +38,6 @@ def test_int8_model_computes_in_fp32(model):
     assert all(isinstance(w, Int8Weight) and w.dtype == torch.float32 for w in (layer.wqkv, layer.w13, model.lm_head))
     assert layer.input_norm.dtype == model.norm.dtype == torch.float32
     assert model.new_cache(8).dtype == torch.float32
-
-
-CHUNKS = (7, 1, 2, 1, 3)  # a prefill, then one-token steps and multi-token catch-ups
-
-
-def _steps(model, fast, ids, positions=None, head=None, logits_for="all"):
-    """Logits of every chunk after the prefill, concatenated on the row axis."""
-    model.native_forward = fast
-    try:
-        return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)[0]
-    finally:
-        model.native_forward = True
 
 
 def test_lean_forward_matches_the_general_forward(model, monkeypatch):
