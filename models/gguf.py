@@ -3,9 +3,10 @@
 The directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) is what
 `load_model` and transformers read like any HF checkpoint. Main choices:
 
-- Read with the `gguf` package (memory-mapped). Everything that can make the file unusable is
-  checked before anything is written: the magic and version, truncation, the architecture
-  (llama, qwen2), every tensor's quantization type and name.
+- Read with graphspec's own reader (`models/gguf_file.py`: memory-mapped, every length and offset
+  checked). Everything that can make the file unusable is checked before anything is written: the
+  magic and version, truncation, the architecture (llama, qwen2), every tensor's quantization type
+  and name.
 - Dequantize with `gguf.quants.dequantize` (numpy), a chunk of rows at a time, streamed straight
   into a safetensors file that this module writes itself; peak memory is about one tensor, not
   the whole model. The default output dtype is float32, so the weights are exactly the GGUF's
@@ -57,9 +58,6 @@ SUPPORTED_TENSOR_TYPES = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
-
-_SUPPORTED_GGUF_VERSIONS = (2, 3)
-_GGUF_MAGIC = b"GGUF"
 
 # llama.cpp token types (llama_token_type): only these two change how text is split.
 _TOKEN_TYPE_CONTROL = 3
@@ -130,53 +128,13 @@ def read_gguf_metadata(path: str | os.PathLike) -> GGUFInfo:
     truncated (every tensor's data lies inside the file), states a supported architecture, and
     stores every tensor in a supported type.
     """
-    import gguf
+    from graphspec.models.gguf_file import read_gguf
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"gguf_path={str(path)!r} is not a file; pass the path of a .gguf file")
-    file_size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if len(head) < 8 or head[:4] != _GGUF_MAGIC:
-        raise ValueError(
-            f"{path} is not a GGUF file: it starts with {head[:4]!r}, a GGUF file starts with {_GGUF_MAGIC!r}"
-        )
-    version = struct.unpack("<I", head[4:8])[0]
-    if version not in _SUPPORTED_GGUF_VERSIONS:
-        if struct.unpack(">I", head[4:8])[0] in _SUPPORTED_GGUF_VERSIONS:
-            # gguf.quants dequantizes little-endian blocks only
-            raise ValueError(f"{path} is a big-endian GGUF file; graphspec converts little-endian GGUF files only")
-        raise ValueError(
-            f"{path} is GGUF version {version}, which is not supported (supported: "
-            f"{list(_SUPPORTED_GGUF_VERSIONS)}); re-export it with a recent llama.cpp"
-        )
-
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises assorted numpy/struct errors on short or corrupt files
-        raise ValueError(
-            f"{path} ({file_size} bytes) is truncated or corrupt: its GGUF header or tensor table "
-            f"could not be read ({type(e).__name__}: {e}); download or export the file again"
-        ) from e
-
-    tensors: dict[str, GGUFTensorInfo] = {}
-    data_end = 0
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        tensors[t.name] = GGUFTensorInfo(t.name, t.tensor_type.name, shape, int(t.n_bytes))
-        data_end = max(data_end, int(t.data_offset) + int(t.n_bytes))
-    if data_end > file_size:
-        raise ValueError(
-            f"{path} is truncated: its tensor table declares data up to byte {data_end} but the file "
-            f"has {file_size} bytes; download or export the file again"
-        )
-
-    fields = {}
-    for key, fld in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        fields[key] = _field_value(fld)
+    gf = read_gguf(path)  # ValueError for anything that is not a whole, consistent GGUF file
+    tensors = {t.name: GGUFTensorInfo(t.name, t.tensor_type.name, tuple(reversed(t.shape)), t.n_bytes)
+               for t in gf.tensors}
+    fields = gf.fields
+    path, version, file_size = gf.path, gf.version, gf.file_size
 
     architecture = fields.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -190,14 +148,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> GGUFInfo:
                 f"{path}: tensor {info.name!r} is stored as {info.type}, which graphspec cannot dequantize; "
                 f"supported types: {list(SUPPORTED_TENSOR_TYPES)}"
             )
-    return GGUFInfo(path, version, architecture, fields, tensors, file_size, reader)
-
-
-def _field_value(fld) -> Any:
-    value = fld.contents()
-    if isinstance(value, (np.generic,)):
-        value = value.item()
-    return value
+    return GGUFInfo(path, version, architecture, fields, tensors, file_size, gf)
 
 
 # --------------------------------------------------------------------------------------------
