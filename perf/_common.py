@@ -149,6 +149,8 @@ def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 7, device="cpu") -> dict
 def _weight_nbytes(w) -> int:
     if type(w).__name__ == "Int8Weight":  # int8 values (the per-row scales are negligible)
         return w.shape[0] * w.shape[1]
+    if type(w).__name__ in ("BlockWeight", "StackedWeight"):  # GGUF blocks (or their tiles), as held
+        return w.nbytes
     return w.shape[0] * w.shape[1] * torch.empty(0, dtype=w.dtype).element_size()
 
 

@@ -4,6 +4,13 @@
     .venv/bin/python perf/e2e.py --short         # 2 prompts (code, chat) x 48 tokens: minutes
     .venv/bin/python perf/e2e.py --dtypes bf16 --methods ar spec_0.5b --no-hf
     .venv/bin/python perf/e2e.py --dtypes bf16 --methods ar spec_0.5b --no-hf --llamacpp   # and llama.cpp
+    .venv/bin/python perf/e2e.py --weights gguf-a8 --methods ar spec_0.5b --draft-quantize int4 --llamacpp
+
+``--weights`` (also spelled ``--dtypes``) lists the target's weights, one pass each: ``bf16`` / ``fp32`` (the
+converted checkpoints in that dtype) or the zoo's GGUF file in its own blocks (``gguf``: fp32 activations, the
+GGUF's exact model; ``gguf-a8``: the k-quants on int8 activations, llama.cpp's arithmetic). With a GGUF target the
+model drafts are ``--draft-quantize``'s int8 / int4 checkpoints (``none``: their own GGUF in blocks), transformers
+loads the same GGUF files (it dequantizes them at load, to bf16), and llama.cpp runs the very same files.
 
 Target Qwen2.5-Coder-1.5B-Instruct; drafts: Qwen2.5-Coder-0.5B-Instruct (same vocabulary),
 SmolLM2-135M-Instruct (another tokenizer: graphspec's cross-vocabulary mapping), prompt lookup
@@ -50,6 +57,9 @@ from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, RESULTS_CSV, TARGET, app
 from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# --weights: a dtype of the converted checkpoints, or a GGUF file's own blocks (load_model(weights=...)).
+GGUF_WEIGHTS = ("gguf", "gguf-a8")
+WEIGHTS = {**DTYPES, **{w: w for w in GGUF_WEIGHTS}}
 @dataclasses.dataclass(frozen=True)
 class Method:
     """One graphspec method of the benchmark: everything else about it (the method list, K defaults, the
@@ -116,10 +126,27 @@ def hf_runner(method: str, dtype, pool: dict):
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
+    gguf = dtype in GGUF_WEIGHTS
+
     def model(name):
         if ("hf", name) not in pool:
-            d = zoo.resolve(name, progress=False)
-            pool[("hf", name)] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+            if gguf:  # transformers cannot run GGUF blocks: it dequantizes the file at load (bf16: its fastest)
+                from graphspec.models.gguf_weights import gguf_file_for
+
+                path = gguf_file_for(name)
+                quiet = os.environ.get("TQDM_DISABLE")
+                os.environ["TQDM_DISABLE"] = "1"  # its GGUF reader's progress bar ignores disable_progress_bar()
+                try:
+                    pool[("hf", name)] = transformers.AutoModelForCausalLM.from_pretrained(
+                        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+                finally:
+                    if quiet is None:
+                        os.environ.pop("TQDM_DISABLE")
+                    else:
+                        os.environ["TQDM_DISABLE"] = quiet
+            else:
+                d = zoo.resolve(name, progress=False)
+                pool[("hf", name)] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
         return pool[("hf", name)]
 
     def tokenizer(name):
@@ -159,7 +186,12 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
 
     def model(name, quantize=None):
         if ("gs", name, quantize) not in pool:
-            pool[("gs", name, quantize)] = load_model(name, dtype=dtype, quantize=quantize)
+            if dtype not in GGUF_WEIGHTS:
+                pool[("gs", name, quantize)] = load_model(name, dtype=dtype, quantize=quantize)
+            elif quantize is None:  # the GGUF file in its own blocks
+                pool[("gs", name, quantize)] = load_model(name, weights=dtype)
+            else:  # an int8 / int4 draft beside a GGUF target: the converted checkpoint, quantized
+                pool[("gs", name, quantize)] = load_model(name, quantize=quantize)
         return pool[("gs", name, quantize)]
 
     target = model(TARGET)
@@ -210,6 +242,9 @@ def run_interleaved(gens: dict, prompt_ids, max_new_tokens, log) -> dict:
 
 def _model_bytes(name: str, dtype) -> int:
     from graphspec.models import zoo
+
+    if dtype in GGUF_WEIGHTS:  # the larger side: transformers' bf16 dequantization of the file
+        dtype = torch.bfloat16
 
     d = zoo.resolve(name, progress=False)
     size = sum(p.stat().st_size for p in d.glob("*.safetensors"))
@@ -367,18 +402,29 @@ def write_acceptance(report: dict) -> Path:
 LLAMACPP_PEER = {"ar": "ar", **{m: "speculative" for m, s in SPECS.items() if s.draft == DRAFT}}
 
 
+def _llamacpp_weights(dname: str) -> str:
+    """Which files llama.cpp runs beside our ``dname`` weights: the zoo's GGUFs themselves beside a GGUF target,
+    else their F16 requantization (2 bytes a weight, as bf16)."""
+    return "zoo" if dname in GGUF_WEIGHTS else "f16"
+
+
 def run_llamacpp(report: dict, prompts, tokenizer, max_new: int, k: int, log) -> None:
-    """llama.cpp at this run's thread count, prompts and tokens (perf/llamacpp.py); our ratios to it, per dtype."""
+    """llama.cpp at this run's thread count, prompts and tokens (perf/llamacpp.py), on the files that match each of
+    our weights (:func:`_llamacpp_weights`); our ratios to it, per weights."""
     from perf import llamacpp
 
     threads = torch.get_num_threads()
-    lc = llamacpp.run([threads], prompts, max_new, k=k, tokenizer=tokenizer, log=log)
-    report["llamacpp"] = lc
-    theirs = lc["threads"][str(threads)]
-    log(f"  = llamacpp_ar          {theirs['ar']['tokens_per_second']:6.2f} tok/s  (llama-bench tg{max_new}, F16)")
-    log(f"  = llamacpp_speculative {theirs['speculative']['tokens_per_second']:6.2f} tok/s  (llama-speculative K={k}, "
-        f"F16)  acceptance_rate {theirs['speculative']['acceptance_rate']:.2f}")
+    report["llamacpp"] = {}
+    for kind in dict.fromkeys(_llamacpp_weights(d) for d in report["dtypes"]):
+        lc = llamacpp.run([threads], prompts, max_new, k=k, tokenizer=tokenizer, log=log, weights=kind)
+        report["llamacpp"][kind] = lc
+        theirs = lc["threads"][str(threads)]
+        files = "F16" if kind == "f16" else "the zoo's GGUF files"
+        log(f"  = llamacpp_ar          {theirs['ar']['tokens_per_second']:6.2f} tok/s  (llama-bench tg{max_new}, {files})")
+        log(f"  = llamacpp_speculative {theirs['speculative']['tokens_per_second']:6.2f} tok/s  (llama-speculative "
+            f"K={k}, {files})  acceptance_rate {theirs['speculative']['acceptance_rate']:.2f}")
     for dname, d in report["dtypes"].items():
+        theirs = report["llamacpp"][_llamacpp_weights(dname)]["threads"][str(threads)]
         rows = {}
         for method, peer in LLAMACPP_PEER.items():
             r = d["graphspec"].get(method)
@@ -396,7 +442,9 @@ def run_llamacpp(report: dict, prompts, tokenizer, max_new: int, k: int, log) ->
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="2 prompts (code, chat) x 48 tokens")
-    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    ap.add_argument("--dtypes", "--weights", dest="dtypes", nargs="+", default=["bf16", "fp32"], choices=list(WEIGHTS),
+                    help="the target's weights, a pass each: bf16 / fp32 (the converted checkpoint in that dtype), "
+                         "gguf / gguf-a8 (the zoo's GGUF in its own blocks: fp32 or int8 activations)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--hf-methods", nargs="+", default=list(HF_METHODS), choices=HF_METHODS)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -411,7 +459,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k-cross-beam", type=int, default=k["spec_smollm2_beam"],
                     help="K for the SmolLM2 beam (spec_smollm2_beam)")
     ap.add_argument("--draft-quantize", default="int8", choices=["int8", "int4", "none"],
-                    help="graphspec's draft weights (default int8, as the CLI on a CPU); transformers' stay in the dtype")
+                    help="graphspec's draft weights (default int8, as the CLI on a CPU; none: the dtype, or with a "
+                         "GGUF target the draft's own GGUF in blocks); transformers' stay in the dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="prune graphspec's model drafts to N ids (Pipeline(draft_vocab=N)); 0 keeps them whole; "
                          f"default: Pipeline(draft_vocab='auto') as the CLI ({AUTO_DRAFT_VOCAB} ids for int8 drafts)")
@@ -437,7 +486,8 @@ def main(argv=None) -> int:
     if args.llamacpp:  # built, and its F16 weights made, before graphspec's runs: a failure shows in minutes, not after
         from perf import llamacpp
 
-        llamacpp.prepare()
+        for kind in dict.fromkeys(_llamacpp_weights(d) for d in args.dtypes):
+            llamacpp.prepare(weights=kind)
 
     from graphspec.models import zoo
     from graphspec.models.tokenizer import Tokenizer
@@ -463,7 +513,7 @@ def main(argv=None) -> int:
         f"{torch.get_num_threads()}, load {report['machine'].get('loadavg')}, read bandwidth {bw:.1f} GB/s; "
         f"{len(prompts)} prompts x {max_new} tokens")
     for dname in args.dtypes:
-        dtype = DTYPES[dname]
+        dtype = WEIGHTS[dname]
         log(f"[{dname}]")
         ks = {m: getattr(args, s.k_flag) for m, s in SPECS.items() if s.k_flag}
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,

@@ -19,7 +19,8 @@ llama.cpp from it (several minutes on 2 cores). Main choices:
   Q4_K/Q6_K for the 1.5B, Q5_0/Q8_0/Q6_K/Q4_K for the 0.5B), requantized to F16 with
   ``llama-quantize --allow-requantize``: the dequantized values graphspec runs, rounded to F16 (graphspec's
   bf16 runs round them to bf16): 2 bytes a weight on both sides. graphspec's drafts are int8 by default
-  (perf/e2e.py --draft-quantize), llama.cpp's draft here is F16.
+  (perf/e2e.py --draft-quantize), llama.cpp's draft here is F16. ``run(..., weights="zoo")`` (perf/e2e.py
+  ``--weights gguf-a8 --llamacpp``) runs the zoo's GGUF files themselves instead, in their own block formats.
 - Plain decoding: ``llama-bench -p 0 -n 128`` (tg128: 128 tokens after an empty context, no prompt),
   the mean of ``--reps`` repetitions.
 - Speculative decoding: ``llama-speculative`` with the 0.5B as the draft, K=5 (a chain: one draft
@@ -264,9 +265,17 @@ def f16_gguf(name: str, bin_dir: Path) -> Path:
     return out
 
 
-def prepare(version: str = VERSION) -> tuple[Path, Path, Path]:
-    """Everything a run needs, built or fetched if missing: (binaries' folder, target F16 GGUF, draft F16 GGUF)."""
+def prepare(version: str = VERSION, weights: str = "f16") -> tuple[Path, Path, Path]:
+    """Everything a run needs, built or fetched if missing: (binaries' folder, target GGUF, draft GGUF).
+
+    ``weights``: "f16" (the zoo's files requantized to F16, cached) or "zoo" (the zoo's GGUF files themselves)."""
+    if weights not in ("f16", "zoo"):
+        raise ValueError(f"weights must be 'f16' or 'zoo', got {weights!r}")
     bin_dir = build(version=version)
+    if weights == "zoo":
+        from graphspec.models import zoo
+
+        return bin_dir, zoo.fetch(TARGET), zoo.fetch(DRAFT)
     return bin_dir, f16_gguf(TARGET, bin_dir), f16_gguf(DRAFT, bin_dir)
 
 
@@ -349,15 +358,17 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, threads: 
 
 
 def run(threads: list[int], prompts: list[dict], max_new_tokens: int = 128, k: int = K, reps: int = 3,
-        tokenizer=None, log=print, version: str = VERSION) -> dict:
-    """Build if needed, then llama-bench (plain) and llama-speculative (0.5B draft) at each thread count."""
-    bin_dir, target, draft = prepare(version)
+        tokenizer=None, log=print, version: str = VERSION, weights: str = "f16") -> dict:
+    """Build if needed, then llama-bench (plain) and llama-speculative (0.5B draft) at each thread count, on
+    ``weights`` (see :func:`prepare`)."""
+    bin_dir, target, draft = prepare(version, weights)
     texts = prompt_texts(prompts, tokenizer)
     help_text = _flags(bin_dir / "llama-speculative")
     info = build_info(bin_dir)
     report = {"llamacpp": {"llama_cpp_python": info.get("version"), "commit": info.get("commit"),
                            "cmake_flags": info.get("flags")},
-              "target": f"{TARGET} (F16 GGUF)", "draft": f"{DRAFT} (F16 GGUF)", "num_speculative_tokens": k,
+              "target": f"{TARGET} ({target.name})", "draft": f"{DRAFT} ({draft.name})", "weights": weights,
+              "num_speculative_tokens": k,
               "max_new_tokens": max_new_tokens, "num_prompts": len(prompts), "prompt_kinds": [p["kind"] for p in prompts],
               "bench_reps": reps, "threads": {}}
     for t in threads:

@@ -1,0 +1,60 @@
+"""The benchmark scripts' own logic where it can be wrong without a benchmark noticing: the bytes a GGUF step
+reads, perf/e2e.py on GGUF weights (its methods, its token check), and which files llama.cpp runs beside them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))
+
+
+def test_a_gguf_step_counts_the_bytes_of_its_blocks(tmp_path):
+    from graphspec.models import load_model
+    from graphspec.models.gguf_weights import weight_bytes
+    from perf._common import step_weight_bytes
+    from tests.models.test_gguf import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2")
+    model = load_model(path, weights="gguf")
+    norms_and_biases = model.norm.numel() * 4 + sum(
+        t.numel() * t.element_size() for layer in model.layers
+        for t in (layer.bqkv, layer.bo, layer.input_norm, layer.post_norm) if t is not None)
+    got = step_weight_bytes(model)
+    assert got == weight_bytes(model) + norms_and_biases
+    # Q8_0 / F16 / F32 blocks: fewer bytes than the same weights in fp32
+    dense = sum(w.shape[0] * w.shape[1] * 4 for layer in model.layers
+                for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)) + model.lm_head.shape[0] * model.lm_head.shape[1] * 4
+    assert got < dense
+
+
+def test_llamacpp_runs_the_zoo_files_beside_gguf_weights():
+    from perf import e2e, llamacpp
+
+    assert {w: e2e._llamacpp_weights(w) for w in e2e.WEIGHTS} == {
+        "bf16": "f16", "fp32": "f16", "gguf": "zoo", "gguf-a8": "zoo"}
+    with pytest.raises(ValueError, match="'f16' or 'zoo'"):
+        llamacpp.prepare(weights="q4")  # refused before anything is built
+
+
+@pytest.mark.slow
+def test_e2e_on_gguf_a8_weights(tmp_path):
+    from perf import e2e
+
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--short", "--weights", "gguf-a8", "--methods", "ar", "spec_0.5b_chain", "--k-model", "3",
+                     "--draft-quantize", "int4", "--no-hf", "--prompts", "1", "--max-new-tokens", "12",
+                     "--out", str(out), "--no-acceptance-file", "--no-results-table", "--threads", "1"]) == 0
+    report = json.loads(out.read_text())
+    run = report["dtypes"]["gguf-a8"]
+    spec = run["summary"]["spec_0.5b_chain"]
+    assert spec["prompts_differing_from_ar"] == 0  # lossless on the quantized target
+    assert spec["num_speculative_tokens"] == 3 and spec["tokens_per_target_forward"] >= 1.0
+    assert run["draft_quantize"] == "int4"
+    # the Q4_K_M 1.5B's blocks (about 1 GB a step), not its fp32 or bf16 size
+    assert 0.8e9 < run["weight_bytes"] < 1.3e9
