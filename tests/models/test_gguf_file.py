@@ -205,3 +205,25 @@ def test_not_gguf_and_versions(tmp_path):
         read_gguf(path)
     with pytest.raises(ValueError, match="is not a file"):
         read_gguf(tmp_path / "missing.gguf")
+
+
+def test_random_corruption_is_read_or_refused_with_a_value_error(tmp_path):
+    """Bytes of the header and tables overwritten at random (a seeded sweep): the reader either reads the file or
+    raises ValueError; never another exception, never a hang or an allocation the file does not back."""
+    src = tmp_path / "kinds.gguf"
+    _every_kind(src)
+    data = bytearray(src.read_bytes())
+    head = read_gguf(src).data_start
+    rng = np.random.default_rng(0)
+    bad = tmp_path / "mutated.gguf"
+    refused = 0
+    for _ in range(400):
+        mutated = bytearray(data)
+        for pos in rng.integers(4, head, size=int(rng.integers(1, 4))):
+            mutated[pos] = int(rng.integers(0, 256))
+        bad.write_bytes(bytes(mutated))
+        try:
+            read_gguf(bad)
+        except ValueError:
+            refused += 1
+    assert refused > 100  # most corruptions of lengths, types and counts are caught
