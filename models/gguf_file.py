@@ -189,7 +189,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     n_fields = cur.u64("the metadata count")
     if n_fields > (file_size - cur.pos) // 13:  # the smallest key/value: 8 + 0 + 4 + 1 bytes
         raise cur.fail("the metadata count", f"{n_fields} is more than the file could hold")
-    if n_tensors > (file_size - cur.pos) // 28:  # the smallest table entry: 8 + 0 + 4 + 8 + 4 + 8 bytes
+    if n_tensors > (file_size - cur.pos) // 32:  # the smallest table entry: 8 + 0 + 4 + 8 + 4 + 8 bytes
         raise cur.fail("the tensor count", f"{n_tensors} is more than the file could hold")
 
     fields: dict[str, Any] = {}

@@ -166,6 +166,18 @@ def step_weight_bytes(model) -> int:
     return total
 
 
+def transformers_from_gguf(name: str):
+    """transformers' model of zoo model ``name`` loaded from its GGUF file. transformers cannot run GGUF blocks: it
+    dequantizes the file at load (showing its own progress bar), here to bf16, its fastest CPU dtype."""
+    import transformers
+
+    from graphspec.models.gguf_weights import gguf_file_for
+
+    path = gguf_file_for(name)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.bfloat16).eval()
+
+
 def step_times(model, tokens: int, reps: int, context: int = 256, logits_for="all") -> list[float]:
     """Seconds of ``model.step`` over ``tokens`` new tokens after ``context`` cached ones (cache rolled back)."""
     cache = model.new_cache(context + tokens + 8)

@@ -52,7 +52,8 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from perf._common import (CROSS_DRAFT, DRAFT, PERF_DIR, RESULTS_CSV, TARGET, append_results, load_prompts,  # noqa: E402
-                          machine_info, output_path, read_bandwidth, save_json, step_weight_bytes)
+                          machine_info, output_path, read_bandwidth, save_json, step_weight_bytes,
+                          transformers_from_gguf)
 
 from graphspec.drafters import AUTO_DRAFT_SIBLINGS, AUTO_DRAFT_VOCAB  # noqa: E402
 
@@ -130,20 +131,8 @@ def hf_runner(method: str, dtype, pool: dict):
 
     def model(name):
         if ("hf", name) not in pool:
-            if gguf:  # transformers cannot run GGUF blocks: it dequantizes the file at load (bf16: its fastest)
-                from graphspec.models.gguf_weights import gguf_file_for
-
-                path = gguf_file_for(name)
-                quiet = os.environ.get("TQDM_DISABLE")
-                os.environ["TQDM_DISABLE"] = "1"  # its GGUF reader's progress bar ignores disable_progress_bar()
-                try:
-                    pool[("hf", name)] = transformers.AutoModelForCausalLM.from_pretrained(
-                        str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
-                finally:
-                    if quiet is None:
-                        os.environ.pop("TQDM_DISABLE")
-                    else:
-                        os.environ["TQDM_DISABLE"] = quiet
+            if gguf:
+                pool[("hf", name)] = transformers_from_gguf(name)
             else:
                 d = zoo.resolve(name, progress=False)
                 pool[("hf", name)] = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()

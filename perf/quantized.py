@@ -59,13 +59,11 @@ def _transformers_peer(name: str, tok):
     import torch
     import transformers
 
-    from graphspec.models.gguf_weights import gguf_file_for
+    from perf._common import transformers_from_gguf
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    path = gguf_file_for(name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.bfloat16).eval()
+    model = transformers_from_gguf(name)
 
     def generate(x, n):
         t0 = time.perf_counter()
