@@ -156,6 +156,10 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                    help="a draft tree: up to N alternative tokens beside the draft's chain, in the verify rows the "
                         "chain left unused (model drafts, with either tokenizer; output unchanged); 0: a chain; "
                         "auto (the default) = 4 for a model draft")
+    p.add_argument("--draft-length", choices=("fixed", "auto"), default="fixed",
+                   help="auto: each step drafts the k in 1..K that promises the most tokens per second, from this "
+                        "machine's forward costs (timed on the first run) and the acceptance so far (greedy runs, "
+                        "model drafts; output unchanged); fixed (the default): K")
     p.add_argument("--draft-beam", type=_nonneg_int, default=0, metavar="W",
                    help="grow a CPU model draft's tree best first, W paths a forward (greedy runs; output "
                         "unchanged); K then bounds the tree: try -k 8 --draft-beam 2 where verify rows are cheap "
@@ -404,6 +408,12 @@ def _draft_kw(args) -> dict:
         if not model_draft:
             raise CLIError("--draft-beam grows a model draft's tree; give --draft a model")
         kw["draft_beam"] = args.draft_beam
+    if args.draft_length == "auto":
+        if not model_draft or args.draft.endswith("+suffix"):
+            raise CLIError("--draft-length auto times a model draft's steps; give --draft a model (not a hybrid)")
+        if args.draft_beam:
+            raise CLIError("--draft-length auto and --draft-beam both size the draft; leave one out")
+        kw["draft_length"] = "auto"
     return kw
 
 
@@ -585,6 +595,9 @@ def _cmd_bench(args) -> int:
     if args.draft_beam:
         raise CLIError("bench measures a chain's acceptance at each draft position to recommend K; a beam "
                        "(--draft-beam) would blur it: leave --draft-beam out")
+    if args.draft_length == "auto":
+        raise CLIError("bench measures a chain's acceptance at each draft position to recommend K; a draft length "
+                       "that changes step by step (--draft-length auto) would blur it: leave it out")
     run_kw = _draft_kw(args)
     kw = dict(run_kw, draft_siblings=0)  # a chain, whatever run's default
     spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping, **kw)
@@ -778,6 +791,9 @@ def _cmd_serve(args) -> int:
                        f"pip install 'graphspec[serve]'") from None
     from graphspec.server import serve
 
+    if args.draft_length == "auto":
+        raise CLIError("graphspec serve sizes each sequence's draft with --policy (auto: from the load and each "
+                       "sequence's acceptance); --draft-length is for run: leave it out")
     target, draft, graphspec = _pipelines(args)
     pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
                               **_draft_kw(args))

@@ -640,6 +640,55 @@ class SpeculationPolicy:
         return verdict
 
 
+class AutoDraftLength:
+    """One sequence's draft length, chosen each step (``Pipeline(draft_length="auto")``, greedy runs): the k in
+    1..K with the most expected tokens per second of a step, ``expected_tokens(rates, k) / (k draft forwards +
+    a verify of k + 1 rows)``, from this machine's forward costs (a ``CostTable`` of rows 1..K + 1, timed once per
+    pipeline) and the sequence's acceptance per draft position over its recent steps.
+
+    Never 0: a sequence that stops drafting leaves its draft's cache behind, and the catch-up prefill costs more than
+    one step's drafts (``SpeculationPolicy`` weighs that for serving). Recent: each step's counts are added to
+    counts that shrink by ``decay`` a step (about the last 10 steps), so a run that moves from prose to code drafts
+    longer again. A position not measured lately starts from the one before it (``prior`` for the first), weighed
+    as ``prior_weight`` steps. The output does not depend on k (greedy verification keeps the target's tokens)."""
+
+    def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9):
+        self.costs = costs
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self._stats = None
+        self.chosen: list[int] = []  # the k of each step of the latest run
+
+    @classmethod
+    def measure(cls, target, draft, max_k: int) -> "AutoDraftLength":
+        return cls(CostTable.measure(target, draft, rows=tuple(range(1, max_k + 2)), prefill_tokens=()))
+
+    def __call__(self, stats, max_k: int) -> int:
+        if stats is not self._stats:  # a new run
+            self._stats = stats
+            self._acc, self._prop = [0.0] * max_k, [0.0] * max_k
+            self._seen = ([0] * max_k, [0] * max_k)
+            self.chosen = []
+        a_all, p_all = stats.accepted_per_position, stats.proposed_per_position
+        for i in range(max_k):
+            self._acc[i] = self._acc[i] * self.decay + (a_all[i] - self._seen[0][i])
+            self._prop[i] = self._prop[i] * self.decay + (p_all[i] - self._seen[1][i])
+        self._seen = (list(a_all), list(p_all))
+        rates, rate = [], self.prior
+        for a, n in zip(self._acc, self._prop):
+            rate = (a + rate * self.prior_weight) / (n + self.prior_weight)
+            rates.append(rate)
+        best_k, best = 1, -1.0
+        for k in range(1, max_k + 1):
+            seconds = k * self.costs.draft_cost(1) + self.costs.target_cost(k + 1)
+            value = SpeculationPolicy.expected_tokens(rates, k) / max(seconds, 1e-12)
+            if value > best * (1 + 1e-9):
+                best_k, best = k, value
+        self.chosen.append(best_k)
+        return best_k
+
+
 # ------------------------------------------------------------------------------------------ engine
 
 @dataclass(eq=False)  # one per sequence, told apart by identity (two may hold equal fields)

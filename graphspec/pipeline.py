@@ -259,6 +259,12 @@ class Pipeline:
     ``graphspec.drafters.SAME_VOCAB_BEAM_STOP_PROBABILITY``, 0.25, for a draft with the target's tokenizer,
     ``BEAM_STOP_PROBABILITY``, 0.15, across tokenizers; None: never). Pays where extra verify rows are
     cheap (AMX CPUs, with a larger K); sampled runs draft as without it. 0 (the default): no beam.
+    ``draft_length="auto"`` (a model draft, chain or tree; greedy runs): each step drafts the k in 1..K that
+    promises the most tokens per second, from this machine's forward costs (the target's verify of 1..K + 1
+    rows and one draft step, timed on the first greedy run: a few forwards of each) and the acceptance per
+    draft position over the run's recent steps (``graphspec.engine.AutoDraftLength``). It drafts less where the
+    draft is often wrong (chat, prose) and where one more verify row costs more than it returns. Same tokens,
+    other stats; sampled runs draft K as before (a seed keeps giving one sample). "fixed" (the default): K.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
@@ -266,8 +272,12 @@ class Pipeline:
                  sync_timing: bool | None = None,
                  draft_confidence_threshold: float | str | None = "auto",
                  draft_quantize: str | None = "auto", draft_vocab="auto", draft_siblings: int | str = "auto",
-                 draft_beam: int = 0, target_weights: str | None = None, draft_weights: str | None = None):
+                 draft_beam: int = 0, target_weights: str | None = None, draft_weights: str | None = None,
+                 draft_length: str = "fixed"):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
+        if not (isinstance(draft_length, str) and draft_length in ("fixed", "auto")):
+            raise ValueError(f"draft_length must be 'fixed' (K drafts a step) or 'auto' (1..K a step, from this "
+                             f"machine's forward costs and the acceptance so far), got {draft_length!r}")
         if num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} makes a verify block of "
                              f"{num_speculative_tokens + 1} rows, beyond the {EXACT_ROWS_MAX} up to which each row "
@@ -325,6 +335,11 @@ class Pipeline:
                              f"ranks alternatives, got draft={draft!r}")
         if beam and not model_draft:
             raise ValueError(f"draft_beam={beam} grows a model draft's tree, got draft={draft!r}")
+        if draft_length == "auto" and (not model_draft or hybrid or beam):
+            raise ValueError("draft_length='auto' times a model draft's forwards against the target's: give draft a "
+                             "model (a path, zoo name or loaded model), not a hybrid, and no draft_beam; got "
+                             f"draft={draft!r}" + (f", draft_beam={beam}" if beam else ""))
+        self.draft_length = draft_length
         if draft is None:
             drafter = None
         elif isinstance(draft, Stage):
@@ -398,6 +413,16 @@ class Pipeline:
     # A callable (stats, K) -> the draft length of the next step (the batched engine's speculation policy);
     # None: K every step.
     _draft_budget = None
+    _auto_length = None  # draft_length="auto": its AutoDraftLength, made on the first greedy run
+
+    def _auto_draft_length(self, k: int):
+        """draft_length="auto"'s rule, its forward costs timed on the first call (a few forwards of each model)."""
+        from graphspec.engine import AutoDraftLength
+
+        if self._auto_length is None:
+            with use_backend(getattr(self.target, "backend", None)):
+                self._auto_length = AutoDraftLength.measure(self.target, self.draft, k)
+        return self._auto_length
 
     def _rebound(self, models: list[tuple[object, object]]) -> "Pipeline":
         """A shallow copy whose stages call ``new`` wherever they called model ``old``, for each
@@ -590,6 +615,9 @@ class Pipeline:
                 torch.cuda.synchronize(device)
             return time.perf_counter()
 
+        budget = self._draft_budget
+        if budget is None and K and params.temperature == 0 and self.draft_length == "auto":
+            budget = self._auto_draft_length(K)
         try:
             t0 = clock()
             with use_backend(backend):
@@ -600,7 +628,7 @@ class Pipeline:
                 t0 = clock()
                 remaining = max_new_tokens - produced
                 state.clear(graph.written)
-                k = K if self._draft_budget is None or not K else self._draft_budget(stats, K)
+                k = K if budget is None or not K else budget(stats, K)
                 state.num_draft = min(k, remaining - 1)
                 with use_backend(backend):
                     graph.run(state, stats.stage_seconds, sync=sync, device=device)

@@ -269,6 +269,8 @@ def results_rows(report: dict, drafts: dict, source: str = "perf/e2e.py") -> lis
                          "siblings": "?" if shape is None else shape}
                 if method.endswith("_beam"):
                     known["beam"] = 2
+                elif d.get("draft_length", "fixed") != "fixed":
+                    known["length"] = d["draft_length"]
                 settings = " ".join(f"{k}={v}" for k, v in known.items())
             differ = s.get("prompts_differing_from_ar", s.get("prompts_differing_from_graphspec_ar"))
             rows.append({**base, "dtype": dname, "draft": draft, "method": method, "draft_settings": settings,

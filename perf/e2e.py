@@ -166,7 +166,8 @@ def hf_runner(method: str, dtype, pool: dict):
 
 
 def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft_quantize: str | None = None,
-                     draft_vocab: int | str | None = None, draft_siblings: int | str = 0):
+                     draft_vocab: int | str | None = None, draft_siblings: int | str = 0,
+                     draft_length: str = "fixed"):
     spec = SPECS.get(method)
     if spec is None:
         raise ValueError(f"unknown graphspec method {method!r}; one of {METHODS}")
@@ -192,7 +193,8 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
         pipe = graphspec.Pipeline(target, draft=model(spec.draft, draft_quantize), num_speculative_tokens=k,
                                   draft_vocab=draft_vocab, draft_siblings=draft_siblings if spec.shape == "tree" else 0,
                                   draft_confidence_threshold=DRAFT_CONFIDENCE,
-                                  draft_beam=BEAM_WIDTH if spec.shape == "beam" else 0)
+                                  draft_beam=BEAM_WIDTH if spec.shape == "beam" else 0,
+                                  draft_length="fixed" if spec.shape == "beam" else draft_length)
 
     def gen(ids, n):
         t0 = time.perf_counter()
@@ -254,7 +256,7 @@ def _available_bytes() -> int:
 
 def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, log,
               draft_quantize: str | None = None, draft_vocab: int | str | None = None,
-              draft_siblings: int | str = 0) -> tuple[dict, dict, dict]:
+              draft_siblings: int | str = 0, draft_length: str = "fixed") -> tuple[dict, dict, dict]:
     """graphspec's and transformers' methods for one dtype; interleaved together when both fit in memory."""
     drafts = {SPECS[m].draft for m in methods} | {HF_DRAFT[m] for m in hf_methods}
     one_family = _model_bytes(TARGET, dtype) + sum(_model_bytes(n, dtype) for n in drafts & {DRAFT, CROSS_DRAFT})
@@ -262,10 +264,11 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
     log(f"  models of one family: {one_family / 1e9:.1f} GB; graphspec and transformers "
         f"{'interleaved in one pass' if together else 'in two passes (not enough memory for both)'}")
     pool: dict = {}
-    ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m), draft_quantize, draft_vocab, draft_siblings)
-                 for m in methods}
+    ours_gens = {m: graphspec_runner(m, dtype, pool, ks.get(m), draft_quantize, draft_vocab, draft_siblings,
+                                     draft_length) for m in methods}
     info = {"weight_bytes": step_weight_bytes(pool[("gs", TARGET, None)]), "interleaved_with_transformers": together,
             "draft_quantize": draft_quantize, "draft_vocab": draft_vocab, "draft_siblings": draft_siblings,
+            "draft_length": draft_length,
             "draft_confidence_threshold": DRAFT_CONFIDENCE}
     hf_gens = {}
     if together:
@@ -457,6 +460,9 @@ def main(argv=None) -> int:
                     help="draft trees for spec_0.5b and spec_smollm2 (Pipeline(draft_siblings=N)); 0: chains; "
                          f"default: Pipeline(draft_siblings='auto') as the CLI ({AUTO_DRAFT_SIBLINGS}); the *_chain "
                          "methods always run chains")
+    ap.add_argument("--draft-length", choices=("fixed", "auto"), default="fixed",
+                    help="Pipeline(draft_length=...) for the model drafts' chains and trees (beams keep K): auto "
+                         "drafts 1..K a step from the forward costs and the acceptance so far")
     ap.add_argument("--k-ngram", type=int, default=k["ngram"], help="K for prompt lookup")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="a .json file name (under perf/results/) or a path with a folder; "
@@ -508,7 +514,7 @@ def main(argv=None) -> int:
         ours, hf, info = run_dtype(dtype, args.methods, [] if args.no_hf else args.hf_methods, prompt_ids, max_new,
                                    ks, log, None if args.draft_quantize == "none" else args.draft_quantize,
                                    "auto" if args.draft_vocab is None else args.draft_vocab or None,
-                                   "auto" if args.draft_siblings is None else args.draft_siblings)
+                                   "auto" if args.draft_siblings is None else args.draft_siblings, args.draft_length)
         summary = compare({**ours, **hf}, info["weight_bytes"], bw)
         report["dtypes"][dname] = {"graphspec": ours, "transformers": hf, "summary": summary, **info}
         for method, row in summary.items():

@@ -71,7 +71,8 @@ def test_run_with_a_cheap_draft_gives_the_target_text(tiny):
     expected = graphspec.Pipeline(graphspec.load_model(tiny, dtype="float32")).run(
         "def fibonacci(n):", max_new_tokens=12, ignore_eos=True)
     for extra in ((), ("--draft-vocab", "200"), ("--draft-quantize", "none", "--draft-vocab", "50"),
-                  ("--draft-siblings", "2", "--draft-confidence", "0.9"), ("-k", "6", "--draft-beam", "2")):
+                  ("--draft-siblings", "2", "--draft-confidence", "0.9"), ("-k", "6", "--draft-beam", "2"),
+                  ("--draft-length", "auto")):
         p = _cli("run", "--target", str(tiny), "--draft", str(tiny), "--dtype", "fp32", "--max-new-tokens", "12",
                  "--ignore-eos", *extra, "def fibonacci(n):")
         assert p.returncode == 0, p.stderr
@@ -93,8 +94,9 @@ def test_draft_vocab_flag_reaches_the_pipeline():
 
     from graphspec.cli import _draft_kw
 
-    def ns(draft, vocab="auto", siblings="auto", beam=0):
-        return SimpleNamespace(draft=draft, draft_vocab=vocab, draft_siblings=siblings, draft_beam=beam)
+    def ns(draft, vocab="auto", siblings="auto", beam=0, length="fixed"):
+        return SimpleNamespace(draft=draft, draft_vocab=vocab, draft_siblings=siblings, draft_beam=beam,
+                               draft_length=length)
 
     def kw(draft_arg, vocab):
         return _draft_kw(ns(draft_arg, vocab)).get("draft_vocab")
@@ -110,6 +112,8 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     assert _draft_kw(ns("ngram")) == {}
     assert _draft_kw(ns("m", vocab="none", beam=2)) == {"draft_vocab": None, "draft_siblings": "auto", "draft_beam": 2}
     assert "draft_beam" not in _draft_kw(ns("m"))
+    assert _draft_kw(ns("m", length="auto"))["draft_length"] == "auto"
+    assert "draft_length" not in _draft_kw(ns("m"))  # fixed: Pipeline's default
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -133,6 +137,13 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-beam", "2", "hi"), ["--draft-beam"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-beam", "-2", "hi"), ["--draft-beam"]),
     (("bench", "--target", "TINY", "--draft", "TINY", "--draft-beam", "2"), ["--draft-beam"]),
+    (("run", "--target", "TINY", "--draft", "ngram", "--draft-length", "auto", "hi"), ["--draft-length auto"]),
+    (("run", "--target", "TINY", "--draft", "TINY+suffix", "--draft-length", "auto", "hi"), ["not a hybrid"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-length", "auto", "--draft-beam", "2", "hi"),
+     ["--draft-length auto and --draft-beam"]),
+    (("run", "--target", "TINY", "--draft", "TINY", "--draft-length", "often", "hi"), ["--draft-length"]),
+    (("bench", "--target", "TINY", "--draft", "TINY", "--draft-length", "auto"), ["--draft-length auto"]),
+    (("serve", "--target", "TINY", "--draft", "TINY", "--draft-length", "auto"), ["--draft-length is for run"]),
     (("fetch", "not-a-zoo-model"), ["not-a-zoo-model"]),
     (("bench", "--target", "TINY", "--draft", "ngram", "--prompts", "/nope.jsonl"), ["/nope.jsonl"]),
     (("bench", "--target", "TINY", "--draft", "suffix", "--compare", "suffix", "hybrid"),
@@ -140,7 +151,7 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("bench", "--target", "TINY", "--draft", "ngram", "--compare", "model"), ["--compare model needs a draft model"]),
 ])
 def test_errors_are_one_clear_line(tiny, args, fragments):
-    args = tuple(str(tiny) if a == "TINY" else a for a in args)
+    args = tuple(a.replace("TINY", str(tiny)) for a in args)
     _assert_one_line_error(_cli(*args), *fragments)
 
 
