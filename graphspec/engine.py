@@ -664,12 +664,19 @@ class AutoDraftLength:
     def measure(cls, target, draft, max_k: int) -> "AutoDraftLength":
         return cls(CostTable.measure(target, draft, rows=tuple(range(1, max_k + 2)), prefill_tokens=()))
 
+    def for_run(self) -> "AutoDraftLength":
+        """A rule with these costs and settings and counts of its own, for one run (runs of one pipeline in
+        several threads then keep apart); its choices are this rule's ``chosen`` too, as the latest run's."""
+        run = AutoDraftLength(self.costs, self.prior, self.prior_weight, self.decay)
+        self.chosen = run.chosen
+        return run
+
     def __call__(self, stats, max_k: int) -> int:
         if stats is not self._stats:  # a new run
             self._stats = stats
             self._acc, self._prop = [0.0] * max_k, [0.0] * max_k
             self._seen = ([0] * max_k, [0] * max_k)
-            self.chosen = []
+            self.chosen.clear()
         a_all, p_all = stats.accepted_per_position, stats.proposed_per_position
         for i in range(max_k):
             self._acc[i] = self._acc[i] * self.decay + (a_all[i] - self._seen[0][i])

@@ -617,7 +617,7 @@ class Pipeline:
 
         budget = self._draft_budget
         if budget is None and K and params.temperature == 0 and self.draft_length == "auto":
-            budget = self._auto_draft_length(K)
+            budget = self._auto_draft_length(K).for_run()
         try:
             t0 = clock()
             with use_backend(backend):

@@ -100,6 +100,42 @@ def test_costs_are_measured_once_and_trees_keep_their_tokens(tiny_pair_dirs):
     assert pipe._auto_length is rule  # timed on the first run only
 
 
+def test_runs_in_threads_keep_their_own_counts(tiny_pair_dirs):
+    import threading
+
+    target_dir, draft_dir = tiny_pair_dirs
+    target = graphspec.load_model(target_dir)
+    draft = graphspec.load_model(draft_dir)
+    pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=4, draft_length="auto",
+                              draft_confidence_threshold=None, draft_siblings=0, draft_quantize=None)
+    pipe._auto_length = AutoDraftLength(DEAR)
+    prompts = ["the cat sat", "one two three four", "hello world"]
+    alone = [graphspec.Pipeline(target).run(p, max_new_tokens=20, ignore_eos=True).token_ids for p in prompts]
+    seen = []
+    original = AutoDraftLength.for_run
+
+    def spy(self):
+        run = original(self)
+        seen.append(run)
+        return run
+
+    AutoDraftLength.for_run = spy
+    try:
+        outs = [None] * len(prompts)
+        threads = [threading.Thread(target=lambda i=i: outs.__setitem__(
+            i, pipe.run(prompts[i], max_new_tokens=20, ignore_eos=True))) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        AutoDraftLength.for_run = original
+    assert [o.token_ids for o in outs] == alone
+    assert len({id(r) for r in seen}) == len(prompts)  # a rule of its own per run
+    for o in outs:  # each run's choices were made from its own counts: one per step
+        assert any(len(r.chosen) == o.stats.steps for r in seen)
+
+
 def test_sampled_runs_draft_k_as_fixed(tiny_pair_dirs):
     target_dir, draft_dir = tiny_pair_dirs
     target = graphspec.load_model(target_dir)
