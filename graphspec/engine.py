@@ -890,8 +890,9 @@ class Engine:
 
     def _budget(self, stats, k: int) -> int:
         """This step's draft length for the calling sequence: K for sampled ones (so that a seed gives the same
-        sample alone and batched), else what the policy's plan for all running sequences gives it, from each
-        one's acceptance so far and how far its draft is behind."""
+        sample alone and batched), 0 at a greedy sequence's first step where its draft waits to be prefilled,
+        else what the policy's plan for all running sequences gives it, from each one's acceptance so far and how
+        far its draft is behind."""
         with self._lock:
             mine = self._seqs.get(getattr(self._local, "seq", None))
             if mine is not None:
@@ -904,6 +905,11 @@ class Engine:
         policy = self.policy()
         if policy is None:
             return k
+        if self._deferred and stats.generated_tokens == 0:
+            # A sequence's first token is its first step's. That step stays plain, so the first token comes at
+            # plain's time to first token, not after the draft's prefill of the whole prompt (its catch-up).
+            mine.drafted = False
+            return 0
         with self._plan_lock:
             # One plan a step for all the running sequences: the first of them to ask makes it, the others take
             # their share of it. A sequence asking again (its next step), or not in the plan (it joined since),

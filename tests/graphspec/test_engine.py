@@ -182,6 +182,35 @@ def test_policy_keeps_greedy_tokens_and_follows_the_costs(tiny_dirs):
     assert s.result(timeout=60).token_ids == pipe.run(prompts[0], max_new_tokens=15, temperature=0.8, seed=5).token_ids
 
 
+def test_policy_keeps_a_greedy_sequences_first_step_plain(tiny_dirs):
+    """The first token comes at plain's time to first token: a greedy sequence's first step drafts nothing (its
+    draft would first prefill the whole prompt), later ones draft as the policy plans; tokens as alone."""
+    pipe = _pipes(tiny_dirs, torch.float32)["model"]
+    prompts = [p for p in PROMPTS if isinstance(p, str)][:3]
+    alone = [pipe.run(p, max_new_tokens=16, ignore_eos=True).token_ids for p in prompts]
+    engine = Engine(pipe, max_batch=4, policy=SpeculationPolicy(CostTable(target={1: 1.0, 64: 1.0},
+                                                                          draft={1: 0.0, 64: 0.0})))
+    budget, calls = engine._pipe._draft_budget, []
+    lock = threading.Lock()
+
+    def spy(stats, k):
+        got = budget(stats, k)
+        with lock:
+            calls.append((id(stats), stats.generated_tokens, got))
+        return got
+
+    engine._pipe._draft_budget = spy
+    assert [r.token_ids for r in engine.run_batch(prompts, max_new_tokens=16, ignore_eos=True)] == alone
+    firsts = [got for _, n, got in calls if n == 0]
+    later = [got for _, n, got in calls if n > 0]
+    assert len(firsts) == len(prompts) and set(firsts) == {0}
+    assert later and max(later) == pipe.num_speculative_tokens  # drafting is free here: the policy drafts K after
+    # sampled sequences draft K from their first step on (a seed gives the sample it gives alone)
+    calls.clear()
+    engine.run_batch(prompts[:1], max_new_tokens=6, temperature=0.8, seed=3)
+    assert [got for _, n, got in calls if n == 0] == [pipe.num_speculative_tokens]
+
+
 def test_policy_choice():
     flat = SpeculationPolicy(CostTable(target={1: 1.0, 64: 1.1}, draft={1: 0.05, 64: 0.05}))
     assert flat.choose(5, running=1, accepted=90, proposed=100) == 5  # good drafts, verify rows nearly free
