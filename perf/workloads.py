@@ -140,7 +140,8 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                if ar and r.get("decode_seconds") else None,
                "acceptance": r["accepted"] / r["proposed"] if r["proposed"] else 0.0,
                "draft_forwards": r["draft_forwards"], "prompts_differing_from_ar": r["differ"],
-               "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": torch.get_num_threads(),
+               "max_new_tokens": args.max_new_tokens, "dtype": getattr(args, "weights", None) or args.dtype,
+               "threads": torch.get_num_threads(),
                "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"), "date": machine.get("date"),
                "commit": machine.get("commit"), "loadavg": machine.get("loadavg")}
         if "hybrid" in r:
@@ -368,6 +369,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--weights", default=None, choices=["gguf", "gguf-a8"],
+                    help="the target's zoo GGUF in its own blocks (fp32 / int8 activations) instead of the "
+                         "converted checkpoint in --dtype; the model draft stays the int8 checkpoint")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--k-suffix", type=int, default=K["suffix"])
     ap.add_argument("--save-outputs", type=Path, default=None, help="write the autoregressive outputs here (JSON)")
@@ -449,7 +453,7 @@ def main(argv=None) -> int:
         return 0
 
     dtype = DTYPES[args.dtype]
-    target = load_model(TARGET, dtype=dtype)
+    target = load_model(TARGET, weights=args.weights) if args.weights else load_model(TARGET, dtype=dtype)
     draft = load_model(DRAFT, dtype=dtype, quantize="int8") if {"model", "hybrid"} & set(args.methods) else None
     workloads = load_workloads(args.workloads)
     saved = {"target": TARGET, "max_new_tokens": args.max_new_tokens, "workloads": {}}
