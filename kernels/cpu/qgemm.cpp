@@ -874,6 +874,15 @@ void tiles_pass(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, int6
     }
 }
 
+// The most rows of x one pass over a tile row takes: at avx512, 6 (Q4_K / Q5_K) or 5 (Q6_K), past which the
+// accumulators spill and one pass costs more than two; avx2 (16 vector registers) and generic, 4.
+template <int T>
+#if GS_AVX512
+constexpr int64_t kMaxPass = T == Q6_K ? 5 : 6;
+#else
+constexpr int64_t kMaxPass = 4;
+#endif
+
 template <int T>
 void run_a8(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t n, const float* bias, float* y) {
   XA8 a;
@@ -882,15 +891,22 @@ void run_a8(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t 
   const int64_t groups = (n + kTileRows - 1) / kTileRows;
   const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, nsb * kTileBytes<T>));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    // 4 rows of x a pass over a tile row, which stays in cache between passes (nsb * kTileBytes bytes)
+    // Rows of x in passes over a tile row, which stays in cache between passes (nsb * kTileBytes bytes). One
+    // pass takes up to kMaxPass<T> rows; more rows are split into passes of about equal size (8: 4 + 4). Each
+    // output is the same sum whatever the pass, so a row's result does not depend on the row count.
+    const int64_t passes = (m + kMaxPass<T> - 1) / kMaxPass<T>;
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t r = 0; r < m; r += 4) {
-        switch (std::min<int64_t>(4, m - r)) {
+      for (int64_t p = 0, r = 0; p < passes; ++p) {
+        const int64_t rows = (m - r) / (passes - p);  // the rows left, shared evenly by the passes left
+        switch (rows) {
           case 1: tiles_pass<T, 1>(tiles, nsb, a, k, r, g, n, bias, y); break;
           case 2: tiles_pass<T, 2>(tiles, nsb, a, k, r, g, n, bias, y); break;
           case 3: tiles_pass<T, 3>(tiles, nsb, a, k, r, g, n, bias, y); break;
-          default: tiles_pass<T, 4>(tiles, nsb, a, k, r, g, n, bias, y); break;
+          case 4: tiles_pass<T, 4>(tiles, nsb, a, k, r, g, n, bias, y); break;
+          case 5: tiles_pass<T, 5>(tiles, nsb, a, k, r, g, n, bias, y); break;
+          default: tiles_pass<T, (kMaxPass<T> >= 6 ? 6 : 5)>(tiles, nsb, a, k, r, g, n, bias, y); break;
         }
+        r += rows;
       }
   });
 }
