@@ -220,6 +220,18 @@ def test_metrics_parse_and_add_up_to_what_was_served(tiny):
 
 def test_a_full_queue_answers_429_at_once(tiny):
     engine = Engine(tiny["plain"], max_batch=1, max_queue=0, policy="off")
+    # Each target step takes at least 10 ms, so the busy request (400 tokens) still runs when the second one
+    # arrives: a tiny model could otherwise finish it before the server has sent its first line.
+    step = engine._target.step
+
+    slowed = []
+
+    def slow_step(*args, **kwargs):
+        slowed.append(1)
+        time.sleep(0.01)
+        return step(*args, **kwargs)
+
+    engine._target.step = slow_step
     with _serving(engine) as url, httpx.Client(timeout=60) as http:
         body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
         with http.stream("POST", url + "/v1/completions", json=body) as busy:
@@ -228,6 +240,7 @@ def test_a_full_queue_answers_429_at_once(tiny):
             r = http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
             assert time.monotonic() - t0 < 5
+            assert slowed  # the busy request's steps went through the slowed target
         deadline = time.monotonic() + 30
         while engine.running and time.monotonic() < deadline:
             time.sleep(0.05)
