@@ -540,14 +540,14 @@ class SpeculationPolicy:
         return total
 
     def choose_batch(self, max_k: int, acceptances: Sequence, fixed_rows: int = 0,
-                     fixed_tokens: float = 0.0) -> int:
-        """The one k for a batch whose sequences share every step: the most expected tokens of all of them per
-        second of the step. ``acceptances``: per sequence, one acceptance or one per draft position (see
-        ``expected_tokens``). ``fixed_rows`` / ``fixed_tokens``: the verify rows and expected tokens of sequences
-        that draft their K whatever (sampled ones)."""
+                     fixed_tokens: float = 0.0, min_k: int = 0) -> int:
+        """The one k in ``min_k``..max_k for a batch whose sequences share every step: the most expected tokens of
+        all of them per second of the step. ``acceptances``: per sequence, one acceptance or one per draft
+        position (see ``expected_tokens``). ``fixed_rows`` / ``fixed_tokens``: the verify rows and expected tokens
+        of sequences that draft their K whatever (sampled ones)."""
         n = max(len(acceptances), 1)
-        best_k, best = 0, -1.0
-        for k in range(max_k + 1):
+        best_k, best = min_k, -1.0
+        for k in range(min_k, max_k + 1):
             tokens = sum(self.expected_tokens(a, k) for a in acceptances) + fixed_tokens or 1.0
             seconds = (k * self.costs.draft_cost(n) if k else 0.0) + self.costs.target_cost(n * (k + 1) + fixed_rows)
             rate = tokens / seconds if seconds > 0 else tokens
@@ -657,6 +657,8 @@ class AutoDraftLength:
         self.prior = prior
         self.prior_weight = prior_weight
         self.decay = decay
+        # the rates and the choice are the serving policy's, for a batch of this one sequence
+        self._policy = SpeculationPolicy(costs, prior=prior, prior_weight=prior_weight)
         self._stats = None
         self.chosen: list[int] = []  # the k of each step of the latest run
 
@@ -682,16 +684,8 @@ class AutoDraftLength:
             self._acc[i] = self._acc[i] * self.decay + (a_all[i] - self._seen[0][i])
             self._prop[i] = self._prop[i] * self.decay + (p_all[i] - self._seen[1][i])
         self._seen = (list(a_all), list(p_all))
-        rates, rate = [], self.prior
-        for a, n in zip(self._acc, self._prop):
-            rate = (a + rate * self.prior_weight) / (n + self.prior_weight)
-            rates.append(rate)
-        best_k, best = 1, -1.0
-        for k in range(1, max_k + 1):
-            seconds = k * self.costs.draft_cost(1) + self.costs.target_cost(k + 1)
-            value = SpeculationPolicy.expected_tokens(rates, k) / max(seconds, 1e-12)
-            if value > best * (1 + 1e-9):
-                best_k, best = k, value
+        rates = self._policy.position_rates(self._acc, self._prop)
+        best_k = self._policy.choose_batch(max_k, [rates], min_k=1)
         self.chosen.append(best_k)
         return best_k
 

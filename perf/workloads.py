@@ -140,7 +140,7 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                if ar and r.get("decode_seconds") else None,
                "acceptance": r["accepted"] / r["proposed"] if r["proposed"] else 0.0,
                "draft_forwards": r["draft_forwards"], "prompts_differing_from_ar": r["differ"],
-               "max_new_tokens": args.max_new_tokens, "dtype": getattr(args, "weights", None) or args.dtype,
+               "max_new_tokens": args.max_new_tokens, "dtype": args.weights or args.dtype,
                "threads": torch.get_num_threads(),
                "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"), "date": machine.get("date"),
                "commit": machine.get("commit"), "loadavg": machine.get("loadavg")}
