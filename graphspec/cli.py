@@ -159,7 +159,8 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
     p.add_argument("--draft-length", choices=("fixed", "auto"), default="fixed",
                    help="auto: each step drafts the k in 1..K that promises the most tokens per second, from this "
                         "machine's forward costs (timed on the first run) and the acceptance so far (greedy runs, "
-                        "model drafts; output unchanged); fixed (the default): K")
+                        "model and suffix drafts; output unchanged; with suffix give a larger K, e.g. -k 16); "
+                        "fixed (the default): K")
     p.add_argument("--draft-beam", type=_nonneg_int, default=0, metavar="W",
                    help="grow a CPU model draft's tree best first, W paths a forward (greedy runs; output "
                         "unchanged); K then bounds the tree: try -k 8 --draft-beam 2 where verify rows are cheap "
@@ -409,8 +410,9 @@ def _draft_kw(args) -> dict:
             raise CLIError("--draft-beam grows a model draft's tree; give --draft a model")
         kw["draft_beam"] = args.draft_beam
     if args.draft_length == "auto":
-        if not model_draft or args.draft.endswith("+suffix"):
-            raise CLIError("--draft-length auto times a model draft's steps; give --draft a model (not a hybrid)")
+        if not (model_draft or args.draft == "suffix") or model_draft and args.draft.endswith("+suffix"):
+            raise CLIError("--draft-length auto times a model draft's steps or sizes suffix trees; give --draft a "
+                           "model or suffix (not ngram, not a hybrid)")
         if args.draft_beam:
             raise CLIError("--draft-length auto and --draft-beam both size the draft; leave one out")
         kw["draft_length"] = "auto"

@@ -263,8 +263,12 @@ class Pipeline:
     promises the most tokens per second, from this machine's forward costs (the target's verify of 1..K + 1
     rows and one draft step, timed on the first greedy run: a few forwards of each) and the acceptance per
     draft position over the run's recent steps (``graphspec.engine.AutoDraftLength``). It drafts less where the
-    draft is often wrong (chat, prose) and where one more verify row costs more than it returns. Same tokens,
-    other stats; sampled runs draft K as before (a seed keeps giving one sample). "fixed" (the default): K.
+    draft is often wrong (chat, prose) and where one more verify row costs more than it returns. With
+    ``draft="suffix"`` it sizes each step's suffix tree instead: the first n of its best-first nodes, n in 0..K,
+    from the same verify costs and the acceptance so far per class of match length
+    (``graphspec.suffix.SuffixLength``); give it a larger K (16) to propose long copies where rows are cheap.
+    Same tokens, other stats; sampled runs draft K as before (a seed keeps giving one sample). "fixed" (the
+    default): K.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
@@ -335,9 +339,13 @@ class Pipeline:
                              f"ranks alternatives, got draft={draft!r}")
         if beam and not model_draft:
             raise ValueError(f"draft_beam={beam} grows a model draft's tree, got draft={draft!r}")
-        if draft_length == "auto" and (not model_draft or hybrid or beam):
-            raise ValueError("draft_length='auto' times a model draft's forwards against the target's: give draft a "
-                             "model (a path, zoo name or loaded model), not a hybrid, and no draft_beam; got "
+        from graphspec.suffix import SuffixDrafter
+
+        suffix_draft = not hybrid and (isinstance(draft, SuffixDrafter) or isinstance(draft, str) and draft == "suffix")
+        if draft_length == "auto" and not suffix_draft and (not model_draft or hybrid or beam):
+            raise ValueError("draft_length='auto' times a model draft's forwards against the target's, or sizes a "
+                             "suffix draft's trees: give draft a model (a path, zoo name or loaded model) or "
+                             "'suffix', not a hybrid, and no draft_beam; got "
                              f"draft={draft!r}" + (f", draft_beam={beam}" if beam else ""))
         self.draft_length = draft_length
         if draft is None:
@@ -347,8 +355,6 @@ class Pipeline:
         elif isinstance(draft, str) and draft == "ngram":
             drafter = NgramDrafter(max_ngram=max_ngram)
         elif isinstance(draft, str) and draft == "suffix":
-            from graphspec.suffix import SuffixDrafter
-
             drafter = SuffixDrafter()
         else:
             self.draft = _load(draft, "draft", dtype, device or self.target.device, backend,
@@ -382,6 +388,7 @@ class Pipeline:
                 drafter, mapper = cross
                 between.append(mapper)
         self.choices = choices  # what the draft settings came to, and why (describe())
+        self._suffix_auto = drafter if suffix_draft and draft_length == "auto" else None
 
         verify: Stage = Verify(self.target)
         if hybrid:
@@ -419,6 +426,13 @@ class Pipeline:
         """draft_length="auto"'s rule, its forward costs timed on the first call (a few forwards of each model)."""
         from graphspec.engine import AutoDraftLength
 
+        if self._suffix_auto is not None:  # a suffix draft sizes its own trees (graphspec.suffix.SuffixLength)
+            from graphspec.suffix import SuffixLength
+
+            if self._suffix_auto.length is None or self._suffix_auto.length.max_k < k:
+                with use_backend(getattr(self.target, "backend", None)):
+                    self._suffix_auto.length = SuffixLength.measure(self.target, k)
+            return None
         if self._auto_length is None:
             with use_backend(getattr(self.target, "backend", None)):
                 self._auto_length = AutoDraftLength.measure(self.target, self.draft, k)
@@ -617,7 +631,8 @@ class Pipeline:
 
         budget = self._draft_budget
         if budget is None and K and params.temperature == 0 and self.draft_length == "auto":
-            budget = self._auto_draft_length(K).for_run()
+            rule = self._auto_draft_length(K)
+            budget = None if rule is None else rule.for_run()
         try:
             t0 = clock()
             with use_backend(backend):

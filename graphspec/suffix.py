@@ -67,7 +67,7 @@ from graphspec.kernels.sampling import exponential_noise
 
 __all__ = ["SuffixAutomaton", "SuffixStore", "SuffixDrafter", "HybridDrafter", "SUFFIX_SPEC_FACTOR",
            "SUFFIX_MIN_PROB", "SUFFIX_MAX_OCCURRENCES", "SUFFIX_STORE_TOKENS", "HYBRID_SWITCH", "HYBRID_MODEL_K",
-           "HYBRID_DRAFT_COST", "HYBRID_PREFILL_PROBE", "measure_prefill_cost", "measure_draft_cost"]
+           "HYBRID_DRAFT_COST", "HYBRID_PREFILL_PROBE", "measure_prefill_cost", "measure_draft_cost", "SuffixLength"]
 
 SEP = -1     # document separator in a store's text (never a token id)
 _NONE = -2   # "no transition" in the first-transition slot
@@ -81,6 +81,11 @@ SUFFIX_SPEC_FACTOR = 4.0       # tokens proposed per matched token (SuffixDecodi
 SUFFIX_MIN_PROB = 0.1          # nodes whose path continues fewer occurrences than this share are left out
 SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations are counted
 SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its oldest documents (about 40 MB)
+# draft_length="auto" (SuffixLength): verify row counts timed once per pipeline (linear in between; a CPU's
+# kernels pass over the weights once per block of rows, so the curve has steps) and the weight of each match-length
+# class's prior acceptance rate, 2^b / (2^b + 1) for matches of 2^b to 2^(b+1) - 1 tokens, in steps.
+SUFFIX_AUTO_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 17, 24, 32, 48, 64)
+SUFFIX_AUTO_PRIOR = 1.0
 HYBRID_SWITCH = 1.0            # suffix when its tokens per unit of time >= this x the model draft's (see HybridDrafter)
 HYBRID_MODEL_K = 5             # a hybrid's model draft proposes at most this many (the 0.5B tree's K, perf/RESULTS.md)
 # A model draft forward's time over a target verify's, for sampled runs (a timed figure must not move a seeded
@@ -426,6 +431,76 @@ def continuation_tree(text, ends: list[int], stop: int, budget: int, min_prob: f
     return toks, parents, scores, counts
 
 
+def _depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1 under the root); parents come before their children."""
+    d: list[int] = []
+    for p in parents:
+        d.append(1 if p < 0 else d[p] + 1)
+    return d
+
+
+class SuffixLength:
+    """How much of a suffix tree to propose (``Pipeline(draft="suffix", draft_length="auto")``, greedy runs): the
+    first n of its best-first nodes, n in 0..K, with the most expected tokens per second of a verify,
+    ``(1 + sum of p_i for the first n) / seconds(verify of n + 1 rows)``.
+
+    ``p_i = score_i x r ** depth_i``: the node's share of the match's occurrences that continue with its path, times
+    the chance that the match still predicts that far, ``r`` per token. ``r`` is measured per class of match length
+    (1, 2-3, 4-7, 8-15, 16-31, 32+ tokens: in copied code a long match keeps agreeing, a one-token match rarely
+    does) as a geometric rate over the trees proposed so far: tokens accepted over tokens accepted plus trees that
+    stopped short, from a prior of ``2^b / (2^b + 1)`` weighed as ``prior`` trees. The seconds are this machine's
+    (a ``CostTable`` of the target's verify forwards, timed once per pipeline), so a long chain is proposed where
+    more rows cost little (bf16 on a CPU up to a kernel's row block, a GPU) and a short one where each row costs
+    (the a8 GGUF kernels). n = 0 is a plain step. Counts are kept over the drafter's life, across requests."""
+
+    def __init__(self, costs, prior: float = SUFFIX_AUTO_PRIOR):
+        self.costs = costs
+        self.max_k = max(costs.target) - 1  # the most nodes its table prices
+        self.prior = float(prior)
+        self.accepted = [0] * 6   # per match-length class: tokens accepted from proposed trees
+        self.stopped = [0] * 6    # trees whose accepted path ended before their deepest node
+        self.chosen: list[int] = []  # n of each proposed step, over the drafter's life (bounded)
+
+    @classmethod
+    def measure(cls, target, max_k: int) -> "SuffixLength":
+        from graphspec.engine import CostTable
+
+        rows = tuple(r for r in SUFFIX_AUTO_ROWS if r <= max_k + 1)
+        rows = rows if max_k + 1 in rows else rows + (max_k + 1,)
+        return cls(CostTable.measure(target, None, rows=rows, prefill_tokens=()))
+
+    @staticmethod
+    def _class(match: int) -> int:
+        return min(max(match, 1).bit_length() - 1, 5)
+
+    def rate(self, match: int) -> float:
+        b = self._class(match)
+        lo = 1 << b
+        a, f = self.accepted[b], self.stopped[b]
+        return (a + self.prior * lo / (lo + 1)) / (a + f + self.prior)
+
+    def choose(self, scores: list[float], parents: list[int], match: int) -> int:
+        if not scores:
+            return 0
+        r = self.rate(match)
+        best, n_best, tokens = 1.0 / self.costs.target_cost(1), 0, 1.0
+        for n, (s, d) in enumerate(zip(scores, _depths(parents)), 1):
+            tokens += s * r ** d
+            v = tokens / self.costs.target_cost(n + 1)
+            if v > best:
+                best, n_best = v, n
+        if len(self.chosen) < 1 << 16:
+            self.chosen.append(n_best)
+        return n_best
+
+    def record(self, match: int, depth: int, accepted: int) -> None:
+        """A proposed tree of ``depth`` levels for a match of ``match`` tokens, of which ``accepted`` were taken."""
+        b = self._class(match)
+        self.accepted[b] += accepted
+        if accepted < depth:
+            self.stopped[b] += 1
+
+
 def _check_prob(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
         raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
@@ -456,6 +531,9 @@ class SuffixDrafter(Stage):
         if store is None and self.save_path is not None and self.save_path.exists():
             store = SuffixStore.load(self.save_path)
         self.store = store if store is not None else SuffixStore()
+        # draft_length="auto": a SuffixLength sizes each greedy step's tree (Pipeline sets it, costs timed on the
+        # first greedy run); None: up to spec_factor x the match length, and K
+        self.length: SuffixLength | None = None
 
     def begin(self, state) -> None:
         tok = getattr(state.run.target, "tokenizer", None)
@@ -473,6 +551,9 @@ class SuffixDrafter(Stage):
 
     def end(self, state) -> None:
         """After a generation: its output goes into the store (and the store to its file, if one is set)."""
+        if self.length is not None:
+            with self.store.lock:
+                self._settle(state, state.scratch(self))
         if not self.learn:
             return
         out = state.tokens[state.run.prompt_len:]
@@ -504,8 +585,10 @@ class SuffixDrafter(Stage):
         with self.store.lock:
             return self._propose(state, k)
 
-    def _propose(self, state, k: int) -> tuple[list[int], list[int], list[float], list[int], int]:
+    def _propose(self, state, k: int, capped: bool = True) -> tuple[list[int], list[int], list[float], list[int], int]:
+        """``capped``: at most ``ceil(spec_factor x match length)`` nodes; else up to ``k`` (``length`` sizes them)."""
         sc = self._sync(state)
+        factor = self.spec_factor if capped else math.inf
         sam: SuffixAutomaton = sc["local"]
         best = ([], [], [], [], 0)
         best_score = 0.0
@@ -514,7 +597,7 @@ class SuffixDrafter(Stage):
         s = sam.link[sam.last]
         if s > 0 and sam.len[s] >= self.min_match:
             length = sam.len[s]
-            budget = min(k, math.ceil(self.spec_factor * length))
+            budget = k if factor == math.inf else min(k, math.ceil(factor * length))
             ends = sam.occurrences(s, self.max_occurrences + 1)
             tree = continuation_tree(sam.text, ends, len(sam.text), budget, self.min_prob)
             if tree[0]:
@@ -522,7 +605,7 @@ class SuffixDrafter(Stage):
         g: SuffixAutomaton = sc["automaton"]
         gs, glen = sc["match"]
         if gs > 0 and glen >= self.min_match:
-            budget = min(k, math.ceil(self.spec_factor * glen))
+            budget = k if factor == math.inf else min(k, math.ceil(factor * glen))
             ends = g.occurrences(gs, self.max_occurrences)
             tree = continuation_tree(g.text, ends, len(g.text), budget, self.min_prob)
             if tree[0] and sum(tree[2]) > best_score:
@@ -532,9 +615,28 @@ class SuffixDrafter(Stage):
         sc["proposed_from"] = "local" if best[0] else None
         return best
 
+    def _settle(self, state, sc: dict) -> None:
+        """The previous step's tree under ``length`` against the tokens committed since: its rates learn from it."""
+        last = sc.get("auto_last")
+        if last is not None:
+            n0, toks, parents, match = last
+            sc["auto_last"] = None
+            self.length.record(match, max(_depths(parents)), _followed(toks, parents, state.tokens[n0:]))
+
     def run(self, state) -> None:
         k = state.num_draft
-        toks, parents, scores, counts, length = self.propose(state, k)
+        auto = self.length is not None and state.params.greedy
+        if auto:
+            with self.store.lock:
+                sc = state.scratch(self)
+                self._settle(state, sc)
+                toks, parents, scores, counts, length = self._propose(state, k, capped=False)
+                n = self.length.choose(scores, parents, length)
+                toks, parents, scores, counts = toks[:n], parents[:n], scores[:n], counts[:n]
+                if n:
+                    sc["auto_last"] = (len(state.tokens), toks, parents, length)
+        else:
+            toks, parents, scores, counts, length = self.propose(state, k)
         extra = state.run.extra["suffix"]
         extra["steps"] += 1
         if toks:

@@ -47,10 +47,11 @@ from perf.e2e import DTYPES, encode_prompts  # noqa: E402
 
 WORKLOADS_FILE = PERF_DIR / "workloads.json"
 RESULTS_FILE = PERF_DIR / "workloads.jsonl"
-METHODS = ("ar", "ngram", "suffix", "model", "hybrid")
+METHODS = ("ar", "ngram", "suffix", "suffix_auto", "model", "hybrid")
 # K per method: prompt lookup as perf/e2e.py; the others at the library's default, 6 verify rows, past which a
 # verify of the 1.5B costs clearly more than a one-token step on the CPU (perf/cpu_step.py).
-K = {"ngram": 4, "suffix": 5, "model": 5, "hybrid": 5}
+# suffix_auto (draft_length="auto") proposes up to K = 16 where its timed verify costs say it pays.
+K = {"ngram": 4, "suffix": 5, "suffix_auto": 16, "model": 5, "hybrid": 5}
 
 
 def load_workloads(names=None) -> dict[str, list[dict]]:
@@ -75,6 +76,8 @@ def make_pipelines(target, draft, methods, ks) -> dict:
             out[m] = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=ks[m])
         elif m == "suffix":
             out[m] = graphspec.Pipeline(target, draft="suffix", num_speculative_tokens=ks[m])
+        elif m == "suffix_auto":
+            out[m] = graphspec.Pipeline(target, draft="suffix", num_speculative_tokens=ks[m], draft_length="auto")
         elif m == "model":
             out[m] = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=ks[m], draft_siblings="auto",
                                         draft_vocab="auto")
@@ -374,6 +377,7 @@ def main(argv=None) -> int:
                          "converted checkpoint in --dtype; the model draft stays the int8 checkpoint")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--k-suffix", type=int, default=K["suffix"])
+    ap.add_argument("--k-suffix-auto", type=int, default=K["suffix_auto"])
     ap.add_argument("--save-outputs", type=Path, default=None, help="write the autoregressive outputs here (JSON)")
     ap.add_argument("--replay", type=Path, default=None, help="replay saved outputs through SuffixDrafter settings")
     ap.add_argument("--store-cost", action="store_true", help="memory and update cost of the suffix store")
@@ -391,6 +395,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     K["suffix"] = K["hybrid"] = args.k_suffix
+    K["suffix_auto"] = args.k_suffix_auto
     machine = machine_info()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     log(f"# {machine.get('cpu_model')} ({machine.get('cpu_flags')}), threads {torch.get_num_threads()}, "
@@ -458,14 +463,23 @@ def main(argv=None) -> int:
     workloads = load_workloads(args.workloads)
     saved = {"target": TARGET, "max_new_tokens": args.max_new_tokens, "workloads": {}}
     pipes0 = make_pipelines(target, draft, args.methods, K)
-    for p in pipes0.values():  # warm-up: first-call allocations and oneDNN primitives, kept out of the figures
+    for name, p in pipes0.items():  # warm-up: first-call allocations and oneDNN primitives, kept out of the figures
+        t0 = time.perf_counter()
         p.run([1, 2, 3, 4], max_new_tokens=4, ignore_eos=True)
+        if name == "suffix_auto":  # its verify costs are timed once a process, as a server would
+            costs = p.graph["draft"].length.costs
+            log(f"# suffix_auto: verify costs timed in {time.perf_counter() - t0:.1f} s (ms by rows): "
+                + ", ".join(f"{r} {v * 1e3:.0f}" for r, v in sorted(costs.target.items())))
     del pipes0
     all_rows = []
     for name, items in workloads.items():
         prompts = encode_prompts(target.tokenizer, items)
         log(f"## {name}: {len(prompts)} requests, prompts {[len(p) for p in prompts]} tokens")
         pipes = make_pipelines(target, draft, args.methods, K)  # a fresh store per workload
+        if "suffix_auto" in pipes:  # the warm-up's timed costs, counts afresh
+            from graphspec.suffix import SuffixLength
+
+            pipes["suffix_auto"].graph["draft"].length = SuffixLength(costs)
         res = run_workload(pipes, prompts, args.max_new_tokens, log)
         saved["workloads"][name] = res["outputs"]
         rows = report(name, res["runs"], machine, args)

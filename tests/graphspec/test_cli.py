@@ -137,7 +137,7 @@ def test_draft_vocab_flag_reaches_the_pipeline():
     (("run", "--target", "TINY", "--draft", "ngram", "--draft-beam", "2", "hi"), ["--draft-beam"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-beam", "-2", "hi"), ["--draft-beam"]),
     (("bench", "--target", "TINY", "--draft", "TINY", "--draft-beam", "2"), ["--draft-beam"]),
-    (("run", "--target", "TINY", "--draft", "ngram", "--draft-length", "auto", "hi"), ["--draft-length auto"]),
+    (("run", "--target", "TINY", "--draft", "ngram", "--draft-length", "auto", "hi"), ["model or suffix"]),
     (("run", "--target", "TINY", "--draft", "TINY+suffix", "--draft-length", "auto", "hi"), ["not a hybrid"]),
     (("run", "--target", "TINY", "--draft", "TINY", "--draft-length", "auto", "--draft-beam", "2", "hi"),
      ["--draft-length auto and --draft-beam"]),

@@ -735,11 +735,11 @@ def test_cli_runs_suffix_and_hybrid_drafts(tmp_path):
     prompt = "x = 1\ny = 2\nx = 1\n"
     expected = graphspec.Pipeline(graphspec.load_model(tiny, dtype="float32")).run(
         prompt, max_new_tokens=16, ignore_eos=True)
-    for draft in ("suffix", f"{tiny}+suffix"):
+    for draft, extra in (("suffix", ()), (f"{tiny}+suffix", ()), ("suffix", ("--draft-length", "auto"))):
         p = _cli("run", "--target", str(tiny), "--draft", draft, "--dtype", "fp32", "--max-new-tokens", "16",
-                 "--ignore-eos", "-k", "8", prompt)
+                 "--ignore-eos", "-k", "8", *extra, prompt)
         assert p.returncode == 0, p.stderr
-        assert p.stdout.rstrip("\n") == expected.text, draft
+        assert p.stdout.rstrip("\n") == expected.text, (draft, extra)
     _assert_one_line_error(_cli("run", "--target", str(tiny), "--draft", "+suffix", prompt), "MODEL+suffix")
     _assert_one_line_error(_cli("run", "--target", str(tiny), "--draft", "suffix", "--draft-siblings", "2", prompt),
                            "draft-siblings")
