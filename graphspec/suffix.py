@@ -825,8 +825,8 @@ class HybridDrafter(Stage):
     suffix steps since the last one after that) as one prefill, ``p`` draft forwards a token (``prefill_cost``;
     None: ``measure_prefill_cost``). That buys model steps for the rest of the request, but only for the tokens
     model steps will produce: of the ``r`` tokens the request may still produce, a share ``w`` (the committed
-    tokens model steps produced so far over all that steps produced, over the drafter's life, with one prior
-    step of ``prior_model`` tokens of each kind: 1/2 before any). So a model step pays its expected tokens'
+    tokens model steps produced over all that steps produced, counted over this request's steps so far with one
+    prior step of ``prior_model`` tokens of each kind: 1/2 before any). So a model step pays its expected tokens'
     share of the catch-up, ``m`` over ``w * r`` (at least one token), as the engine's ``SpeculationPolicy``
     spreads a deferred draft's catch-up over the tokens it will draft:
 
@@ -907,14 +907,21 @@ class HybridDrafter(Stage):
             d.begin(state)
         if self.model_map is not None:
             self.model_map.begin(state)
-        state.scratch(self).update(last=None)
+        state.scratch(self).update(last=None, request_tokens=0, request_model_tokens=0)
         state.run.extra["hybrid"] = {"suffix_steps": 0, "model_steps": 0, "plain_steps": 0}
 
-    def model_share(self) -> float:
-        """``w``: the share of the committed tokens that model steps produced so far (see the class docstring)."""
-        m = self.measured
-        total = m["step_tokens"] + 2 * self.prior_model
-        return (m["model_tokens"] + self.prior_model) / total if total > 0 else 1.0
+    def model_share(self, state=None) -> float:
+        """``w``: the share of the committed tokens that model steps produced, with one prior step of
+        ``prior_model`` tokens of each kind (1/2 before any); see the class docstring. With a run's ``state``:
+        over that request's steps so far (what the rule uses); without: over the drafter's life."""
+        if state is None:
+            m = self.measured
+            produced, by_model = m["step_tokens"], m["model_tokens"]
+        else:
+            sc = state.scratch(self)
+            produced, by_model = sc["request_tokens"], sc["request_model_tokens"]
+        total = produced + 2 * self.prior_model
+        return (by_model + self.prior_model) / total if total > 0 else 1.0
 
     def model_rate(self, k: int, catch_up: int = 0, remaining: int = 1, *, draft_cost: float | None = None,
                    share: float | None = None) -> float:
@@ -1006,6 +1013,9 @@ class HybridDrafter(Stage):
             kind, n0, tree, forwards = last
             got = n - n0 - 1
             m = self.measured
+            sc["request_tokens"] += got + 1
+            if kind == "model":
+                sc["request_model_tokens"] += got + 1
             with self._lock:
                 m["step_tokens"] += got + 1
                 if tree[0]:  # the step's suffix tree, proposed or not, against the tokens committed
@@ -1028,12 +1038,13 @@ class HybridDrafter(Stage):
             self.prefill_cost = measure_prefill_cost(self.model_drafter)
         remaining = state.run.capacity - n  # tokens the request may still produce (capacity: prompt + max_new)
         cost = self.step_draft_cost(state)
-        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost):
+        share = self.model_share(state) if behind else None
+        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost, share=share):
             write_tree(state, toks, parents, counts)
             sc["last"] = ("suffix", n, tree, 0)
             extra["suffix_steps"] += 1
             return
-        if not toks and k > 0 and self.model_rate(model_k, behind, remaining, draft_cost=cost) < 1.0:
+        if not toks and k > 0 and self.model_rate(model_k, behind, remaining, draft_cost=cost, share=share) < 1.0:
             write_tree(state, [], [], [])  # a plain step: the model would cost more than it yields
             sc["last"] = ("plain", n, tree, 0)
             extra["plain_steps"] += 1

@@ -267,10 +267,11 @@ def replay_hybrid(positions: dict, rule: str, draft_cost: float, k: int, prefill
     library pays them: the prompt at the start for ``model``; for the hybrids, the committed tokens its cache
     lacks (two or more) before each model step. ``hybrid`` is the rule without that cost in it (until
     2026-12-03, 12:00 UTC); ``catch-up/all`` the rule with it spread over every token left to the request
-    (until 2026-12-03, 14:45 UTC; it may also take plain steps); ``catch-up/share`` the library's rule since:
-    spread over the tokens left times the share of the committed tokens that model steps produced so far
-    (``HybridDrafter.model_share``, prior 1/2 of 6 tokens); ``catch-up/request`` a replay-only variant of it whose
-    share counts this request's steps only (prior 1/2 of 6 tokens), not the drafter's life."""
+    (until 2026-12-03, 14:45 UTC; it may also take plain steps); ``catch-up/share`` the library's rule until
+    2026-12-04: spread over the tokens left times the share of the committed tokens that model steps produced so
+    far over the drafter's life (``HybridDrafter.model_share()``, prior 1/2 of 6 tokens); ``catch-up/request`` the
+    library's rule since: the share counts this request's steps only (``HybridDrafter.model_share(state)``, prior
+    1/2 of 6 tokens)."""
     from graphspec.suffix import HybridDrafter
 
     res = {}

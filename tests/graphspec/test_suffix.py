@@ -26,7 +26,7 @@ from graphspec import SamplingParams
 from graphspec.suffix import SEP, HybridDrafter, SuffixAutomaton, SuffixDrafter, SuffixStore, continuation_tree
 from tests.checkpoints import make_checkpoint
 from tests.graphspec.oracle import marginal_pvalues
-from tests.graphspec.test_lossless import _draft, _target
+from tests.graphspec.test_lossless import V, _draft, _target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -296,6 +296,24 @@ def test_the_catch_up_is_spread_over_the_tokens_model_steps_produce():
     assert h.model_share() == pytest.approx(0.5)
 
 
+def test_the_rule_counts_the_share_over_the_request():
+    from graphspec import ModelDrafter
+    from graphspec.state import RunInfo, State
+
+    h = HybridDrafter(ModelDrafter(_draft()), draft_cost=0.2, prior_model=3.0, prefill_cost=0.3)
+    h.measured.update(step_tokens=294, model_steps=9, model_tokens=27, model_forwards=45)
+    assert h.model_share() == pytest.approx(0.1)  # over the drafter's life
+    state = State(RunInfo(target=None, vocab_size=V, device=torch.device("cpu"), capacity=64, prompt_len=8,
+                          num_speculative_tokens=5))
+    state.scratch(h).update(request_tokens=0, request_model_tokens=0)
+    assert h.model_share(state) == pytest.approx(0.5)  # a request starts from the prior
+    state.scratch(h).update(request_tokens=24, request_model_tokens=24)
+    assert h.model_share(state) == pytest.approx(27 / 30)
+    assert h.model_share() == pytest.approx(0.1)
+    # an 800-token catch-up with 1000 tokens left: paid over the 900 tokens this request's share expects
+    assert h.model_rate(5, 800, 1000, share=h.model_share(state)) == pytest.approx(3 / (2 + 0.2 * 0.3 * 800 * 3 / 900))
+
+
 def test_plain_and_suffix_steps_lower_the_model_share_and_model_steps_raise_it():
     # a costly catch-up: plain and suffix steps only, whose tokens all count against the model's share
     costly = _recording(1e4)
@@ -349,25 +367,30 @@ def test_a_costly_catch_up_keeps_the_model_draft_out_and_output_exact():
     assert costly.measured["model_steps"] == 0
 
 
-def test_a_drafter_whose_tokens_suffix_trees_produce_does_not_prefill_a_prompt_for_one_model_step():
-    # A drafter whose earlier steps were all suffix or plain ones (300 tokens, none from the model) meets a 60-token
-    # prompt (repeats: suffix trees at most steps) with 40 tokens to go and a prefill token at 0.3 draft forwards
-    # (the 0.5B's figure). Spread over the 40 tokens left, the prompt's catch-up looked cheap and the step without
-    # a good tree prefilled the draft for one model step; spread over the few the model is expected to produce,
-    # it costs more than that step yields, and the step is plain. Tokens exact either way.
-    prompt = [(7 * i) % 13 for i in range(60)]
+def test_a_request_whose_tokens_suffix_trees_produce_does_not_prefill_its_prompt_for_one_model_step():
+    # A 120-token prompt (repeats: suffix trees at most steps) with 40 tokens to go and a prefill token at 0.3 draft
+    # forwards (the 0.5B's figure). The share of the tokens left that model steps are expected to produce is the
+    # request's own: half at first, less with each suffix step. Spread over those, the prompt's catch-up costs more
+    # than a model step yields, and steps without a good tree are plain. After earlier requests that model steps
+    # served (the agent loop: a short first request drafted by the model, then long prompts that suffix trees
+    # serve), the share counted over the drafter's life (the rule until 2026-12-04) is near 1: spread over nearly
+    # all 40 tokens the catch-up looks cheap, and the draft is prefilled for a few model steps. Tokens exact.
+    prompt = [(7 * i) % 13 for i in range(120)]
     runs = {}
-    for rule in ("share", "all tokens left"):
+    for rule in ("request", "request after model-heavy ones", "drafter's life after model-heavy ones"):
         h = _recording(0.3)
-        h.measured.update(step_tokens=300)
-        if rule == "all tokens left":
-            h.model_share = lambda: 1.0  # the rule before: every token left counted as the model's
+        if rule != "request":
+            h.measured.update(step_tokens=300, model_tokens=300, model_steps=100, model_forwards=500)
+        if rule.startswith("drafter's life"):
+            life = HybridDrafter.model_share
+            h.model_share = lambda state=None, h=h: life(h)
         out = _check_greedy(graphspec.Pipeline(_target(), draft=h, num_speculative_tokens=5), [prompt], n=40)[0]
         runs[rule] = ([kind for _, kind in h.log], out.draft_forwards)
-    kinds, forwards = runs["share"]
-    assert "model" not in kinds and "plain" in kinds and forwards == 0
-    kinds, forwards = runs["all tokens left"]
-    assert "model" in kinds and forwards > 0
+    for rule in ("request", "request after model-heavy ones"):
+        kinds, forwards = runs[rule]
+        assert "model" not in kinds and "plain" in kinds and forwards == 0, (rule, kinds)
+    kinds, forwards = runs["drafter's life after model-heavy ones"]
+    assert "model" in kinds and forwards > 0, kinds
 
 
 def test_fresh_text_with_no_suffix_tree_takes_plain_steps_while_the_catch_up_costs_more():
