@@ -410,9 +410,9 @@ def _draft_kw(args) -> dict:
             raise CLIError("--draft-beam grows a model draft's tree; give --draft a model")
         kw["draft_beam"] = args.draft_beam
     if args.draft_length == "auto":
-        if not (model_draft or args.draft == "suffix") or model_draft and args.draft.endswith("+suffix"):
+        if not (model_draft or args.draft == "suffix"):
             raise CLIError("--draft-length auto times a model draft's steps or sizes suffix trees; give --draft a "
-                           "model or suffix (not ngram, not a hybrid)")
+                           "model, suffix or MODEL+suffix (not ngram)")
         if args.draft_beam:
             raise CLIError("--draft-length auto and --draft-beam both size the draft; leave one out")
         kw["draft_length"] = "auto"

@@ -266,7 +266,9 @@ class Pipeline:
     draft is often wrong (chat, prose) and where one more verify row costs more than it returns. With
     ``draft="suffix"`` it sizes each step's suffix tree instead: the first n of its best-first nodes, n in 0..K,
     from the same verify costs and the acceptance so far per class of match length
-    (``graphspec.suffix.SuffixLength``); give it a larger K (16) to propose long copies where rows are cheap.
+    (``graphspec.suffix.SuffixLength``); give it a larger K (16) to propose long copies where rows are cheap. A
+    hybrid's suffix trees are sized so too (its model steps keep drafting at most ``HYBRID_MODEL_K``, and its rule
+    weighs each tree's verify time against a model step's).
     Same tokens, other stats; sampled runs draft K as before (a seed keeps giving one sample). "fixed" (the
     default): K.
     """
@@ -342,10 +344,10 @@ class Pipeline:
         from graphspec.suffix import SuffixDrafter
 
         suffix_draft = not hybrid and (isinstance(draft, SuffixDrafter) or isinstance(draft, str) and draft == "suffix")
-        if draft_length == "auto" and not suffix_draft and (not model_draft or hybrid or beam):
+        if draft_length == "auto" and not suffix_draft and (not model_draft or beam):
             raise ValueError("draft_length='auto' times a model draft's forwards against the target's, or sizes a "
-                             "suffix draft's trees: give draft a model (a path, zoo name or loaded model) or "
-                             "'suffix', not a hybrid, and no draft_beam; got "
+                             "suffix draft's trees: give draft a model (a path, zoo name or loaded model), "
+                             "'suffix' or [model, 'suffix'], and no draft_beam; got "
                              f"draft={draft!r}" + (f", draft_beam={beam}" if beam else ""))
         self.draft_length = draft_length
         if draft is None:
@@ -388,7 +390,6 @@ class Pipeline:
                 drafter, mapper = cross
                 between.append(mapper)
         self.choices = choices  # what the draft settings came to, and why (describe())
-        self._suffix_auto = drafter if suffix_draft and draft_length == "auto" else None
 
         verify: Stage = Verify(self.target)
         if hybrid:
@@ -396,6 +397,10 @@ class Pipeline:
 
             drafter = HybridDrafter([drafter, *between])
             between = []
+        # draft_length="auto" with suffix trees (alone or in a hybrid): a SuffixLength sizes them
+        self._suffix_auto = None
+        if draft_length == "auto" and (suffix_draft or hybrid):
+            self._suffix_auto = drafter.suffix if hybrid else drafter
         if siblings or beam or (drafter is not None and "draft_parents" in drafter.writes):
             if acceptance not in (None, "rejection"):
                 what = (f"draft_siblings={siblings}" if siblings else f"draft_beam={beam}" if beam

@@ -81,10 +81,11 @@ SUFFIX_SPEC_FACTOR = 4.0       # tokens proposed per matched token (SuffixDecodi
 SUFFIX_MIN_PROB = 0.1          # nodes whose path continues fewer occurrences than this share are left out
 SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations are counted
 SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its oldest documents (about 40 MB)
-# draft_length="auto" (SuffixLength): verify row counts timed once per pipeline (linear in between; a CPU's
-# kernels pass over the weights once per block of rows, so the curve has steps) and the weight of each match-length
-# class's prior acceptance rate, 2^b / (2^b + 1) for matches of 2^b to 2^(b+1) - 1 tokens, in steps.
-SUFFIX_AUTO_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 17, 24, 32, 48, 64)
+# draft_length="auto" (SuffixLength): verify row counts timed once per pipeline, best of two (linear in between;
+# the CPU kernels pass over the weights once per block of 8 rows for bf16, 4-6 for a8 GGUF, so the curve has steps
+# and 9, 17, 33 time the first row of a new block), and the weight of each match-length class's prior acceptance
+# rate, 2^b / (2^b + 1) for matches of 2^b to 2^(b+1) - 1 tokens, in trees.
+SUFFIX_AUTO_ROWS = (1, 2, 4, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)
 SUFFIX_AUTO_PRIOR = 1.0
 HYBRID_SWITCH = 1.0            # suffix when its tokens per unit of time >= this x the model draft's (see HybridDrafter)
 HYBRID_MODEL_K = 5             # a hybrid's model draft proposes at most this many (the 0.5B tree's K, perf/RESULTS.md)
@@ -467,7 +468,7 @@ class SuffixLength:
 
         rows = tuple(r for r in SUFFIX_AUTO_ROWS if r <= max_k + 1)
         rows = rows if max_k + 1 in rows else rows + (max_k + 1,)
-        return cls(CostTable.measure(target, None, rows=rows, prefill_tokens=()))
+        return cls(CostTable.measure(target, None, rows=rows, repeats=2, prefill_tokens=()))
 
     @staticmethod
     def _class(match: int) -> int:
@@ -816,7 +817,9 @@ class HybridDrafter(Stage):
         1 + c * s >= switch * m / (1 + draft_cost * f)
 
     (a suffix step costs one verify; a model step one verify and ``f`` draft forwards of ``draft_cost``
-    verifies each). The figures are kept over the drafter's life, across requests. ``draft_cost``: a draft
+    verifies each). Where the suffix drafter has a ``SuffixLength`` (``draft_length="auto"``, greedy runs), its
+    tree is sized by it and the left side is multiplied by a model step's verify time over the tree's (a tree of
+    n nodes verifies n + 1 rows). The figures are kept over the drafter's life, across requests. ``draft_cost``: a draft
     forward's time over a verify's; None (the default) measures it in greedy runs (``measure_draft_cost``, once
     per draft model, target, thread count and verify rows) and takes ``HYBRID_DRAFT_COST`` in sampled runs.
 
@@ -945,13 +948,19 @@ class HybridDrafter(Stage):
         return tokens / cost
 
     def prefers_suffix(self, score: float, k: int, catch_up: int = 0, remaining: int = 1, *,
-                       draft_cost: float | None = None, share: float | None = None) -> bool:
+                       draft_cost: float | None = None, share: float | None = None, verify_ratio: float = 1.0) -> bool:
         """The rule (see the class docstring) for a suffix tree of ``score`` against a model step of at most ``k``
-        that must first prefill ``catch_up`` tokens, with ``remaining`` tokens left to the request."""
+        that must first prefill ``catch_up`` tokens, with ``remaining`` tokens left to the request.
+        ``verify_ratio``: a model step's verify time over the suffix tree's (1: the same rows' cost; a long tree
+        sized by ``SuffixLength`` costs more)."""
         m = self.measured
         c = (m["suffix_accepted"] + HYBRID_PRIOR_SUFFIX) / (m["suffix_score"] + HYBRID_PRIOR_SUFFIX)
-        return 1.0 + c * score >= self.switch * self.model_rate(k, catch_up, remaining, draft_cost=draft_cost,
-                                                                share=share)
+        return (1.0 + c * score) * verify_ratio >= self.switch * self.model_rate(
+            k, catch_up, remaining, draft_cost=draft_cost, share=share)
+
+    def _model_rows(self, k: int) -> int:
+        """Verify rows of a model step with the run's K."""
+        return (k if self.model_k is None else min(k, self.model_k)) + 1
 
     def step_draft_cost(self, state) -> float:
         """The ``draft_cost`` of this step: the one set, else measured in a greedy run (``measure_draft_cost`` at
@@ -963,8 +972,9 @@ class HybridDrafter(Stage):
         if not state.params.greedy or state.num_draft < 1 or getattr(d, "model", None) is None \
                 or state.run.target is None:
             return HYBRID_DRAFT_COST
-        # the run's K, not this step's (fewer near a request's end): one measurement a pipeline
-        return measure_draft_cost(d, state.run.target, state.run.num_speculative_tokens + 1)
+        # the run's K (capped by model_k: a model step's rows), not this step's (fewer near a request's end): one
+        # measurement a pipeline
+        return measure_draft_cost(d, state.run.target, self._model_rows(state.run.num_speculative_tokens))
 
     def catch_up_tokens(self, state) -> int:
         """Committed tokens the model draft must be fed before it drafts (what ``ModelDrafter.catch_up`` prefills;
@@ -1030,7 +1040,19 @@ class HybridDrafter(Stage):
             sc["last"] = None
         k = state.num_draft
         model_k = k if self.model_k is None else min(k, self.model_k)
-        toks, parents, scores, counts, _ = self.suffix.propose(state, k)
+        length = self.suffix.length if state.params.greedy else None
+        verify_ratio = 1.0
+        if length is not None:  # draft_length="auto": the tree sized by this machine's verify costs, as suffix alone
+            with self.store.lock:
+                ssc = state.scratch(self.suffix)
+                self.suffix._settle(state, ssc)
+                toks, parents, scores, counts, match = self.suffix._propose(state, k, capped=False)
+                size = length.choose(scores, parents, match)
+                toks, parents, scores, counts = toks[:size], parents[:size], scores[:size], counts[:size]
+            if toks:
+                verify_ratio = length.costs.target_cost(model_k + 1) / length.costs.target_cost(size + 1)
+        else:
+            toks, parents, scores, counts, _ = self.suffix.propose(state, k)
         tree = (toks, parents, scores)
         extra = state.run.extra["hybrid"]
         behind = self.catch_up_tokens(state) if k > 0 else 0
@@ -1039,7 +1061,10 @@ class HybridDrafter(Stage):
         remaining = state.run.capacity - n  # tokens the request may still produce (capacity: prompt + max_new)
         cost = self.step_draft_cost(state)
         share = self.model_share(state) if behind else None
-        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost, share=share):
+        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost, share=share,
+                                        verify_ratio=verify_ratio):
+            if length is not None:  # settled by the suffix drafter's rates at the next step
+                ssc["auto_last"] = (n, toks, parents, match)
             write_tree(state, toks, parents, counts)
             sc["last"] = ("suffix", n, tree, 0)
             extra["suffix_steps"] += 1

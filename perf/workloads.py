@@ -47,11 +47,12 @@ from perf.e2e import DTYPES, encode_prompts  # noqa: E402
 
 WORKLOADS_FILE = PERF_DIR / "workloads.json"
 RESULTS_FILE = PERF_DIR / "workloads.jsonl"
-METHODS = ("ar", "ngram", "suffix", "suffix_auto", "model", "hybrid")
+METHODS = ("ar", "ngram", "suffix", "suffix_auto", "model", "hybrid", "hybrid_auto")
 # K per method: prompt lookup as perf/e2e.py; the others at the library's default, 6 verify rows, past which a
 # verify of the 1.5B costs clearly more than a one-token step on the CPU (perf/cpu_step.py).
-# suffix_auto (draft_length="auto") proposes up to K = 16 where its timed verify costs say it pays.
-K = {"ngram": 4, "suffix": 5, "suffix_auto": 16, "model": 5, "hybrid": 5}
+# suffix_auto and hybrid_auto (draft_length="auto") propose suffix trees of up to K = 16 where the timed verify costs
+# say they pay (the hybrid's model steps keep K = 5).
+K = {"ngram": 4, "suffix": 5, "suffix_auto": 16, "model": 5, "hybrid": 5, "hybrid_auto": 16}
 
 
 def load_workloads(names=None) -> dict[str, list[dict]]:
@@ -84,6 +85,10 @@ def make_pipelines(target, draft, methods, ks) -> dict:
         elif m == "hybrid":
             out[m] = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=ks[m],
                                         draft_vocab="auto")
+            out[m].graph["draft"].model_k = ks["model"]
+        elif m == "hybrid_auto":
+            out[m] = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=ks[m],
+                                        draft_vocab="auto", draft_length="auto")
             out[m].graph["draft"].model_k = ks["model"]
         else:
             raise SystemExit(f"unknown method {m!r}; one of {METHODS}")
@@ -118,14 +123,16 @@ def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> di
         outputs.append({"prompt": ids, "output": ref if ref is not None else got[names[0]]})
         log(f"    request {i + 1}/{len(prompts)}: {len(got[names[0]])} tokens; " + ", ".join(
             f"{n} {runs[n]['tokens'] / runs[n]['seconds']:.2f} tok/s" for n in names) + " so far")
-    if "hybrid" in pipes:  # the figures its rule ran with (draft_cost and prefill_cost are measured at warm-up)
+    for name in ("hybrid", "hybrid_auto"):  # the figures its rule ran with (draft_cost and prefill_cost: measured)
+        if name not in pipes:
+            continue
         from graphspec.suffix import measure_draft_cost
 
-        pipe = pipes["hybrid"]
+        pipe = pipes[name]
         h = pipe.graph["draft"]
-        runs["hybrid"]["hybrid"] = {
+        runs[name]["hybrid"] = {
             "draft_cost": h.draft_cost if h.draft_cost is not None else measure_draft_cost(
-                h.model_drafter, pipe.target, pipe.num_speculative_tokens + 1),
+                h.model_drafter, pipe.target, h._model_rows(pipe.num_speculative_tokens)),
             "prefill_cost": h.prefill_cost, "model_share": h.model_share(), **h.measured}
     return {"runs": runs, "outputs": outputs}
 
@@ -460,16 +467,17 @@ def main(argv=None) -> int:
 
     dtype = DTYPES[args.dtype]
     target = load_model(TARGET, weights=args.weights) if args.weights else load_model(TARGET, dtype=dtype)
-    draft = load_model(DRAFT, dtype=dtype, quantize="int8") if {"model", "hybrid"} & set(args.methods) else None
+    draft = load_model(DRAFT, dtype=dtype, quantize="int8") if {"model", "hybrid", "hybrid_auto"} & set(args.methods) else None
     workloads = load_workloads(args.workloads)
     saved = {"target": TARGET, "max_new_tokens": args.max_new_tokens, "workloads": {}}
     pipes0 = make_pipelines(target, draft, args.methods, K)
     for name, p in pipes0.items():  # warm-up: first-call allocations and oneDNN primitives, kept out of the figures
         t0 = time.perf_counter()
         p.run([1, 2, 3, 4], max_new_tokens=4, ignore_eos=True)
-        if name == "suffix_auto":  # its verify costs are timed once a process, as a server would
-            costs = p.graph["draft"].length.costs
-            log(f"# suffix_auto: verify costs timed in {time.perf_counter() - t0:.1f} s (ms by rows): "
+        if name in ("suffix_auto", "hybrid_auto"):  # verify costs are timed once a process, as a server would
+            d = p.graph["draft"]
+            costs = (d.suffix if name == "hybrid_auto" else d).length.costs
+            log(f"# {name}: warm-up with its verify costs timed in {time.perf_counter() - t0:.1f} s (ms by rows): "
                 + ", ".join(f"{r} {v * 1e3:.0f}" for r, v in sorted(costs.target.items())))
     del pipes0
     all_rows = []
@@ -477,10 +485,12 @@ def main(argv=None) -> int:
         prompts = encode_prompts(target.tokenizer, items)
         log(f"## {name}: {len(prompts)} requests, prompts {[len(p) for p in prompts]} tokens")
         pipes = make_pipelines(target, draft, args.methods, K)  # a fresh store per workload
-        if "suffix_auto" in pipes:  # the warm-up's timed costs, counts afresh
-            from graphspec.suffix import SuffixLength
+        from graphspec.suffix import SuffixLength
 
+        if "suffix_auto" in pipes:  # the warm-up's timed costs, counts afresh
             pipes["suffix_auto"].graph["draft"].length = SuffixLength(costs)
+        if "hybrid_auto" in pipes:
+            pipes["hybrid_auto"].graph["draft"].suffix.length = SuffixLength(costs)
         res = run_workload(pipes, prompts, args.max_new_tokens, log)
         saved["workloads"][name] = res["outputs"]
         rows = report(name, res["runs"], machine, args)
