@@ -42,7 +42,9 @@ class CLIError(Exception):
 
 # The drafters `bench --compare` measures: name -> (what it is, in the output; whether it needs a draft model).
 _BENCH_DRAFTERS = {"model": ("model draft", True), "ngram": ("prompt lookup", False), "suffix": ("suffix", False),
-                   "hybrid": ("hybrid model+suffix", True)}
+                   "suffix-auto": ("suffix sized (K=16, --draft-length auto)", False), "hybrid": ("hybrid model+suffix", True)}
+# suffix-auto: suffix trees sized by this machine's verify costs (--draft-length auto) up to this K, whatever -k
+SUFFIX_AUTO_K = 16
 # bench recommends a drafter with no draft model (prompt lookup, suffix) over a faster one that needs one when it
 # is within this share of it: no draft weights to hold and no draft prefill, for a difference the run's noise
 # can hide.
@@ -197,7 +199,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-k", type=_positive_int, default=8, help="largest K considered for the recommendation")
     bench.add_argument("--compare", nargs="*", default=None, choices=list(_BENCH_DRAFTERS), metavar="DRAFTER",
                        help="drafters measured side by side at -k, each as `run` would use it, to recommend one: "
-                            "model (the --draft model), ngram (prompt lookup), suffix, hybrid (MODEL+suffix); "
+                            "model (the --draft model), ngram (prompt lookup), suffix, suffix-auto (suffix trees "
+                            "sized by this machine's verify costs, K=16), hybrid (MODEL+suffix); "
                             "default: every one that applies (model and hybrid need a model --draft); "
                             "--compare with no names: none")
     bench.add_argument("--json", type=Path, default=None, help="also write the full results to this JSON file")
@@ -605,7 +608,8 @@ def _cmd_bench(args) -> int:
     spec = graphspec.Pipeline(target, draft, num_speculative_tokens=k, vocab_mapping=args.vocab_mapping, **kw)
     model = draft[0] if isinstance(draft, list) else None if isinstance(draft, str) else draft
     model_name = args.draft[:-len("+suffix")] if args.draft.endswith("+suffix") else args.draft
-    flags = {"model": model_name, "ngram": "ngram", "suffix": "suffix", "hybrid": f"{model_name}+suffix"}
+    flags = {"model": model_name, "ngram": "ngram", "suffix": "suffix", "hybrid": f"{model_name}+suffix",
+             "suffix-auto": f"suffix -k {SUFFIX_AUTO_K} --draft-length auto"}
 
     def compared() -> dict:
         """The drafters to compare at -k, each as `run` builds it (fresh: the suffix stores start empty)."""
@@ -615,6 +619,9 @@ def _cmd_bench(args) -> int:
                 out[name] = graphspec.Pipeline(target, model if name == "model" else [model, "suffix"],
                                                num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
                                                **run_kw)
+            elif name == "suffix-auto":  # its verify costs are timed once per target (the warm-up's run)
+                out[name] = graphspec.Pipeline(target, "suffix", num_speculative_tokens=SUFFIX_AUTO_K,
+                                               draft_length="auto")
             else:
                 out[name] = graphspec.Pipeline(target, name, num_speculative_tokens=args.k)
         return out
@@ -718,7 +725,8 @@ def _cmd_bench(args) -> int:
     print(f"recommended K: {best_k} (modelled from the acceptance above and the measured verify/draft costs)")
     drafters = {}
     for name, r in cmp.items():
-        drafters[name] = {"draft": flags[name], "k": args.k, "tok_s": r["tokens"] / r["seconds"],
+        drafters[name] = {"draft": flags[name], "k": SUFFIX_AUTO_K if name == "suffix-auto" else args.k,
+                          "tok_s": r["tokens"] / r["seconds"],
                           "x_autoregressive": (r["tokens"] / r["seconds"]) / base_rate,
                           "tokens_per_target_forward": r["tokens"] / r["steps"] if r["steps"] else 0.0,
                           "acceptance_rate": r["accepted"] / r["proposed"] if r["proposed"] else 0.0,

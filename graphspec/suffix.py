@@ -432,6 +432,10 @@ def continuation_tree(text, ends: list[int], stop: int, budget: int, min_prob: f
     return toks, parents, scores, counts
 
 
+# target -> {(threads, rows): its CostTable of verify forwards}, for SuffixLength.measure; weak, as _DRAFT_COSTS
+_VERIFY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _depths(parents: list[int]) -> list[int]:
     """Each node's depth (1 under the root); parents come before their children."""
     d: list[int] = []
@@ -464,11 +468,21 @@ class SuffixLength:
 
     @classmethod
     def measure(cls, target, max_k: int) -> "SuffixLength":
+        """A rule with counts of its own and ``target``'s verify costs for 1..max_k + 1 rows, timed once per target,
+        thread count and max_k in a process (pipelines on one target share the table)."""
         from graphspec.engine import CostTable
 
         rows = tuple(r for r in SUFFIX_AUTO_ROWS if r <= max_k + 1)
         rows = rows if max_k + 1 in rows else rows + (max_k + 1,)
-        return cls(CostTable.measure(target, None, rows=rows, repeats=2, prefill_tokens=()))
+        model = _unbatched(target)
+        try:
+            known = _VERIFY_COSTS.setdefault(model, {})
+        except TypeError:  # a model object that takes no weak reference: measured each time
+            known = {}
+        key = (torch.get_num_threads(), rows)
+        if key not in known:
+            known[key] = CostTable.measure(target, None, rows=rows, repeats=2, prefill_tokens=())
+        return cls(known[key])
 
     @staticmethod
     def _class(match: int) -> int:

@@ -178,8 +178,9 @@ def test_bench_on_user_prompts(tiny, tmp_path):
     assert all(r["acceptance_rate"] == 1.0 and r["identical_to_autoregressive"] for r in result["prompts"])
     # beside it, every drafter as `run` builds it, each giving the target's tokens on every prompt
     drafters = result["drafters"]
-    assert list(drafters) == ["model", "ngram", "suffix", "hybrid"]
+    assert list(drafters) == ["model", "ngram", "suffix", "suffix-auto", "hybrid"]
     assert {n: d["draft"] for n, d in drafters.items()} == {"model": str(tiny), "ngram": "ngram", "suffix": "suffix",
+                                                            "suffix-auto": "suffix -k 16 --draft-length auto",
                                                             "hybrid": f"{tiny}+suffix"}
     assert all(d["prompts_differing"] == 0 and d["tok_s"] > 0 for d in drafters.values())
     assert drafters["ngram"]["draft_forwards"] == drafters["suffix"]["draft_forwards"] == 0
@@ -197,11 +198,13 @@ def test_bench_on_user_prompts(tiny, tmp_path):
 def test_bench_compare_names_what_it_measures(tiny, tmp_path):
     out = tmp_path / "bench.json"
     p = _cli("bench", "--target", str(tiny), "--draft", "ngram", "--dtype", "fp32", "--max-new-tokens", "6",
-             "--max-k", "2", "--compare", "suffix", "--json", str(out))
+             "--max-k", "2", "--compare", "suffix", "suffix-auto", "--json", str(out))
     assert p.returncode == 0, p.stderr
     result = json.loads(out.read_text())
-    assert list(result["drafters"]) == ["suffix"]
-    assert result["recommended_draft"]["drafter"] in ("suffix", None)
+    assert list(result["drafters"]) == ["suffix", "suffix-auto"]
+    auto = result["drafters"]["suffix-auto"]
+    assert auto["k"] == 16 and auto["draft"] == "suffix -k 16 --draft-length auto" and auto["prompts_differing"] == 0
+    assert result["recommended_draft"]["drafter"] in ("suffix", "suffix-auto", None)
     p = _cli("bench", "--target", str(tiny), "--draft", "ngram", "--dtype", "fp32", "--max-new-tokens", "6",
              "--max-k", "2", "--compare", "--json", str(out))
     assert p.returncode == 0, p.stderr

@@ -135,6 +135,10 @@ def test_costs_are_timed_once_on_the_first_greedy_run(tiny):
     assert all(v > 0 for v in rule.costs.target.values())
     assert pipe.run(prompt, max_new_tokens=24, ignore_eos=True).token_ids == plain
     assert drafter.length is rule  # timed once
+    other = graphspec.Pipeline(tiny, draft="suffix", num_speculative_tokens=9, draft_length="auto")
+    other.run(prompt, max_new_tokens=4, ignore_eos=True)
+    # another pipeline on the same target: the same table (timed once a process), counts of its own
+    assert other.graph["draft"].length.costs is rule.costs and other.graph["draft"].length is not rule
 
 
 def test_a_suffix_drafter_stage_takes_the_rule_and_errors_say_what_to_fix(tiny):
