@@ -194,7 +194,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="acceptance and speedup over autoregressive on your prompts")
     _add_model_flags(bench, draft_required=True)
     bench.add_argument("--prompts", type=Path, default=None,
-                       help="file of prompts: .jsonl ({\"prompt\": ...} or {\"messages\": [...]}) or text, one per line")
+                       help="file of prompts: .jsonl, one a line ({\"prompt\": ...}, {\"messages\": [...]}, "
+                            "{\"token_ids\": [...]} or a string), .json (a list of those) or text, one per line")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=64)
     bench.add_argument("--max-k", type=_positive_int, default=8, help="largest K considered for the recommendation")
     bench.add_argument("--compare", nargs="*", default=None, choices=list(_BENCH_DRAFTERS), metavar="DRAFTER",
@@ -471,7 +472,22 @@ def _read_prompts(path: Path | None) -> list[dict]:
     except UnicodeDecodeError as e:
         raise CLIError(f"--prompts {path}: not valid UTF-8 (byte offset {e.start})") from None
     prompts: list[dict] = []
-    if path.suffix == ".jsonl":
+    if path.suffix == ".json":  # one JSON list of the items a .jsonl line holds
+        try:
+            items = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise CLIError(f"--prompts {path}: not JSON ({getattr(e, 'msg', type(e).__name__)})") from None
+        if not isinstance(items, list):
+            raise CLIError(f"--prompts {path}: a .json file holds a list of prompts (each a string or {_PROMPT_FORMS}), "
+                           f"got a JSON {type(items).__name__}")
+        for n, item in enumerate(items, 1):
+            if isinstance(item, str):
+                item = {"prompt": item}
+            problem = _prompt_problem(item)
+            if problem:
+                raise CLIError(f"--prompts {path}: item {n} {problem}")
+            prompts.append(item)
+    elif path.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue

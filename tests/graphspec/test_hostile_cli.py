@@ -135,6 +135,27 @@ def test_bench_prompt_file_forms_that_are_accepted(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"ok\n\xff\xfe\n")
     with pytest.raises(cli.CLIError, match="not valid UTF-8"):
         cli._read_prompts(tmp_path / "bad.txt")
+    # a .json file: one list of the same items (not one text line holding the whole file)
+    listed = tmp_path / "p.json"
+    listed.write_text(json.dumps(["plain", {"prompt": "p", "kind": "code"}, {"token_ids": [1, 2, 3]},
+                                  {"messages": [{"role": "user", "content": "hi"}]}], indent=1))
+    assert cli._read_prompts(listed) == [{"prompt": "plain"}] + [json.loads(x) for x in (
+        '{"prompt": "p", "kind": "code"}', '{"token_ids": [1, 2, 3]}', '{"messages": [{"role": "user", "content": "hi"}]}')]
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('{"prompt": "one"}', "a .json file holds a list of prompts"),
+    ('["fine", {"prompt": 3}]', "item 2 has a \"prompt\" that is not"),
+    ('["fine", 7]', "item 2 is a JSON int"),
+    ('[{"prompt": "x"}', "not JSON"),
+    ("[]", "no prompts in the file"),
+])
+def test_bench_json_prompt_files_are_checked(capsys, tiny, tmp_path, text, fragment):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(text)
+    rc, out, err = _main(capsys, "bench", "--target", tiny, "--draft", "ngram", "--prompts", prompts)
+    assert_one_error(rc, err, f"--prompts {prompts}: ", fragment)
+    assert "loading" not in err
 
 
 def test_bench_checks_every_prompt_encodes_before_measuring(capsys, tiny, tmp_path):
