@@ -42,7 +42,8 @@ class CLIError(Exception):
 
 # The drafters `bench --compare` measures: name -> (what it is, in the output; whether it needs a draft model).
 _BENCH_DRAFTERS = {"model": ("model draft", True), "ngram": ("prompt lookup", False), "suffix": ("suffix", False),
-                   "suffix-auto": ("suffix sized (K=16, --draft-length auto)", False), "hybrid": ("hybrid model+suffix", True)}
+                   "suffix-auto": ("suffix sized (K=16, --draft-length auto)", False),
+                   "hybrid": ("hybrid model+suffix", True)}
 # suffix-auto: suffix trees sized by this machine's verify costs (--draft-length auto) up to this K, whatever -k
 SUFFIX_AUTO_K = 16
 # bench recommends a drafter with no draft model (prompt lookup, suffix) over a faster one that needs one when it
@@ -478,8 +479,8 @@ def _read_prompts(path: Path | None) -> list[dict]:
         except (ValueError, RecursionError) as e:
             raise CLIError(f"--prompts {path}: not JSON ({getattr(e, 'msg', type(e).__name__)})") from None
         if not isinstance(items, list):
-            raise CLIError(f"--prompts {path}: a .json file holds a list of prompts (each a string or {_PROMPT_FORMS}), "
-                           f"got a JSON {type(items).__name__}")
+            raise CLIError(f"--prompts {path}: a .json file holds a list of prompts (each a string or "
+                           f"{_PROMPT_FORMS}), got a JSON {type(items).__name__}")
         for n, item in enumerate(items, 1):
             if isinstance(item, str):
                 item = {"prompt": item}

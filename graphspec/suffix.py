@@ -81,7 +81,7 @@ SUFFIX_SPEC_FACTOR = 4.0       # tokens proposed per matched token (SuffixDecodi
 SUFFIX_MIN_PROB = 0.1          # nodes whose path continues fewer occurrences than this share are left out
 SUFFIX_MAX_OCCURRENCES = 64    # occurrences of the match whose continuations are counted
 SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its oldest documents (about 40 MB)
-# draft_length="auto" (SuffixLength): verify row counts timed once per pipeline, best of two (linear in between;
+# draft_length="auto" (SuffixLength): verify row counts timed once per target, best of two (linear in between;
 # the CPU kernels pass over the weights once per block of 8 rows for bf16, 4-6 for a8 GGUF, so the curve has steps
 # and 9, 17, 33 time the first row of a new block), and the weight of each match-length class's prior acceptance
 # rate, 2^b / (2^b + 1) for matches of 2^b to 2^(b+1) - 1 tokens, in trees.
@@ -454,8 +454,8 @@ class SuffixLength:
     (1, 2-3, 4-7, 8-15, 16-31, 32+ tokens: in copied code a long match keeps agreeing, a one-token match rarely
     does) as a geometric rate over the trees proposed so far: tokens accepted over tokens accepted plus trees that
     stopped short, from a prior of ``2^b / (2^b + 1)`` weighed as ``prior`` trees. The seconds are this machine's
-    (a ``CostTable`` of the target's verify forwards, timed once per pipeline), so a long chain is proposed where
-    more rows cost little (bf16 on a CPU up to a kernel's row block, a GPU) and a short one where each row costs
+    (a ``CostTable`` of the target's verify forwards, timed once per target in a process), so a long chain is
+    proposed where more rows cost little (bf16 on a CPU up to a kernel's row block, a GPU) and a short one where each row costs
     (the a8 GGUF kernels). n = 0 is a plain step. Counts are kept over the drafter's life, across requests."""
 
     def __init__(self, costs, prior: float = SUFFIX_AUTO_PRIOR):
@@ -546,8 +546,8 @@ class SuffixDrafter(Stage):
         if store is None and self.save_path is not None and self.save_path.exists():
             store = SuffixStore.load(self.save_path)
         self.store = store if store is not None else SuffixStore()
-        # draft_length="auto": a SuffixLength sizes each greedy step's tree (Pipeline sets it, costs timed on the
-        # first greedy run); None: up to spec_factor x the match length, and K
+        # draft_length="auto": a SuffixLength sizes each greedy step's tree (Pipeline sets it at its first greedy run);
+        # None: up to spec_factor x the match length, and K
         self.length: SuffixLength | None = None
 
     def begin(self, state) -> None:

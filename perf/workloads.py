@@ -467,7 +467,8 @@ def main(argv=None) -> int:
 
     dtype = DTYPES[args.dtype]
     target = load_model(TARGET, weights=args.weights) if args.weights else load_model(TARGET, dtype=dtype)
-    draft = load_model(DRAFT, dtype=dtype, quantize="int8") if {"model", "hybrid", "hybrid_auto"} & set(args.methods) else None
+    needs_draft = {"model", "hybrid", "hybrid_auto"} & set(args.methods)
+    draft = load_model(DRAFT, dtype=dtype, quantize="int8") if needs_draft else None
     workloads = load_workloads(args.workloads)
     saved = {"target": TARGET, "max_new_tokens": args.max_new_tokens, "workloads": {}}
     pipes0 = make_pipelines(target, draft, args.methods, K)
