@@ -412,18 +412,24 @@ class CostTable:
 
     @classmethod
     def measure(cls, target, draft=None, rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 3,
-                draft_batched: bool = True, prefill_tokens: Sequence[int] = (16, 64, 256)) -> "CostTable":
-        """Time forwards on this machine: the target with R rows after a short context, the draft with one
-        token for n sequences (one forward of n rows where it batches, else n one-token forwards), and the
-        draft's batched prefill of T tokens."""
+                draft_batched: bool = True, prefill_tokens: Sequence[int] = (16, 64, 256),
+                context: int = 16) -> "CostTable":
+        """Time forwards on this machine: the target with R rows after a short context (``context`` tokens), the
+        draft with one token for n sequences (one forward of n rows where it batches, else n one-token forwards),
+        and the draft's batched prefill of T tokens."""
 
         def step_once(model, n_rows: int):
-            cache = model.new_cache(min(model.config.max_position_embeddings, 16 + n_rows))
-            model.step(torch.zeros(1, 16, dtype=torch.int64, device=model.device), cache, logits_for="last")
+            cache = model.new_cache(min(model.config.max_position_embeddings, context + n_rows))
+            if context > 16 and hasattr(cache, "advance"):
+                # a long context is not computed: the cache's zeros cost attention what real keys would, and a
+                # prefill of a thousand tokens would take seconds per entry on a CPU
+                cache.advance(context)
+            else:
+                model.step(torch.zeros(1, context, dtype=torch.int64, device=model.device), cache, logits_for="last")
             new = torch.zeros(1, n_rows, dtype=torch.int64, device=model.device)
 
             def once() -> float:
-                cache.truncate(16)
+                cache.truncate(context)
                 t0 = time.perf_counter()
                 model.step(new, cache, logits_for="all")
                 return time.perf_counter() - t0
@@ -442,7 +448,7 @@ class CostTable:
 
         # Every entry timed once per round, round after round, keeping each one's best: a busy moment on a shared
         # host then inflates one sample of each entry, not every sample of a few (which would bend the curve).
-        limit = target.config.max_position_embeddings - 16
+        limit = target.config.max_position_embeddings - context
         timers = {("target", r): step_once(target, r) for r in rows if r <= limit}
         if draft is not None:
             timers.update({("draft", r): step_once(draft, r) for r in rows if r == 1 or draft_batched})

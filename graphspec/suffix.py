@@ -86,6 +86,11 @@ SUFFIX_STORE_TOKENS = 1 << 18  # tokens a SuffixStore keeps before evicting its 
 # and 9, 17, 33 time the first row of a new block), and the weight of each match-length class's prior acceptance
 # rate, 2^b / (2^b + 1) for matches of 2^b to 2^(b+1) - 1 tokens, in trees.
 SUFFIX_AUTO_ROWS = (1, 2, 4, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64)
+# ...and again, fewer of them, after SUFFIX_AUTO_CONTEXT tokens: attention over a long context makes rows dearer (the
+# bf16 1.5B on a Zen 4 core: 8 rows 1.16x one row after 16 tokens, 1.43x after 1024), so costs are interpolated
+# in the context as well
+SUFFIX_AUTO_LONG_ROWS = (1, 8, 9, 17, 33, 64)
+SUFFIX_AUTO_CONTEXT = 1024
 SUFFIX_AUTO_PRIOR = 1.0
 HYBRID_SWITCH = 1.0            # suffix when its tokens per unit of time >= this x the model draft's (see HybridDrafter)
 HYBRID_MODEL_K = 5             # a hybrid's model draft proposes at most this many (the 0.5B tree's K, perf/RESULTS.md)
@@ -454,12 +459,16 @@ class SuffixLength:
     (1, 2-3, 4-7, 8-15, 16-31, 32+ tokens: in copied code a long match keeps agreeing, a one-token match rarely
     does) as a geometric rate over the trees proposed so far: tokens accepted over tokens accepted plus trees that
     stopped short, from a prior of ``2^b / (2^b + 1)`` weighed as ``prior`` trees. The seconds are this machine's
-    (a ``CostTable`` of the target's verify forwards, timed once per target in a process), so a long chain is
-    proposed where more rows cost little (bf16 on a CPU up to a kernel's row block, a GPU) and a short one where each row costs
-    (the a8 GGUF kernels). n = 0 is a plain step. Counts are kept over the drafter's life, across requests."""
+    (``CostTable`` s of the target's verify forwards after a short and a long context, timed once per target in a
+    process, interpolated in the step's context: ``seconds``), so a long chain is proposed where more rows cost
+    little (bf16 on a CPU up to a kernel's row block, a GPU) and a short one where each row costs (the a8 GGUF
+    kernels, long contexts). n = 0 is a plain step. Counts are kept over the drafter's life, across requests."""
 
-    def __init__(self, costs, prior: float = SUFFIX_AUTO_PRIOR):
+    def __init__(self, costs, prior: float = SUFFIX_AUTO_PRIOR, long_costs=None, long_context: int = 0):
         self.costs = costs
+        # the same forwards after long_context tokens (None: costs taken as independent of the context)
+        self.long_costs = long_costs if long_context > 16 else None
+        self.long_context = long_context
         self.max_k = max(costs.target) - 1  # the most nodes its table prices
         self.prior = float(prior)
         self.accepted = [0] * 6   # per match-length class: tokens accepted from proposed trees
@@ -481,8 +490,23 @@ class SuffixLength:
             known = {}
         key = (torch.get_num_threads(), rows)
         if key not in known:
-            known[key] = CostTable.measure(target, None, rows=rows, repeats=2, prefill_tokens=())
-        return cls(known[key])
+            long = min(SUFFIX_AUTO_CONTEXT, target.config.max_position_embeddings - max_k - 2)
+            long_rows = tuple(r for r in SUFFIX_AUTO_LONG_ROWS if r <= max_k + 1)
+            long_rows = long_rows if max_k + 1 in long_rows else long_rows + (max_k + 1,)
+            known[key] = (CostTable.measure(target, None, rows=rows, repeats=2, prefill_tokens=()),
+                          CostTable.measure(target, None, rows=long_rows, repeats=2, prefill_tokens=(), context=long)
+                          if long > 16 else None, long)
+        short, long_costs, long = known[key]
+        return cls(short, long_costs=long_costs, long_context=long)
+
+    def seconds(self, rows: int, context: int = 16) -> float:
+        """A verify of ``rows`` rows after ``context`` tokens: the short-context table, plus the long one's extra
+        time scaled linearly in the context (attention's share grows with it; never below the short table)."""
+        base = self.costs.target_cost(rows)
+        if self.long_costs is None or context <= 16:
+            return base
+        extra = max(self.long_costs.target_cost(rows) - base, 0.0)
+        return base + extra * (context - 16) / (self.long_context - 16)
 
     @staticmethod
     def _class(match: int) -> int:
@@ -494,14 +518,15 @@ class SuffixLength:
         a, f = self.accepted[b], self.stopped[b]
         return (a + self.prior * lo / (lo + 1)) / (a + f + self.prior)
 
-    def choose(self, scores: list[float], parents: list[int], match: int) -> int:
+    def choose(self, scores: list[float], parents: list[int], match: int, context: int = 16) -> int:
+        """n for a best-first tree (``scores``, ``parents``) of a match of ``match`` tokens, after ``context``."""
         if not scores:
             return 0
         r = self.rate(match)
-        best, n_best, tokens = 1.0 / self.costs.target_cost(1), 0, 1.0
+        best, n_best, tokens = 1.0 / self.seconds(1, context), 0, 1.0
         for n, (s, d) in enumerate(zip(scores, _depths(parents)), 1):
             tokens += s * r ** d
-            v = tokens / self.costs.target_cost(n + 1)
+            v = tokens / self.seconds(n + 1, context)
             if v > best:
                 best, n_best = v, n
         if len(self.chosen) < 1 << 16:
@@ -646,7 +671,7 @@ class SuffixDrafter(Stage):
                 sc = state.scratch(self)
                 self._settle(state, sc)
                 toks, parents, scores, counts, length = self._propose(state, k, capped=False)
-                n = self.length.choose(scores, parents, length)
+                n = self.length.choose(scores, parents, length, len(state.tokens))
                 toks, parents, scores, counts = toks[:n], parents[:n], scores[:n], counts[:n]
                 if n:
                     sc["auto_last"] = (len(state.tokens), toks, parents, length)
@@ -1061,10 +1086,10 @@ class HybridDrafter(Stage):
                 ssc = state.scratch(self.suffix)
                 self.suffix._settle(state, ssc)
                 toks, parents, scores, counts, match = self.suffix._propose(state, k, capped=False)
-                size = length.choose(scores, parents, match)
+                size = length.choose(scores, parents, match, n)
                 toks, parents, scores, counts = toks[:size], parents[:size], scores[:size], counts[:size]
             if toks:
-                verify_ratio = length.costs.target_cost(model_k + 1) / length.costs.target_cost(size + 1)
+                verify_ratio = length.seconds(model_k + 1, n) / length.seconds(size + 1, n)
         else:
             toks, parents, scores, counts, _ = self.suffix.propose(state, k)
         tree = (toks, parents, scores)

@@ -64,6 +64,24 @@ def test_the_chosen_nodes_are_a_prefix_of_the_best_first_tree():
     assert SuffixLength(FLAT).choose(scores, parents, match=8) == 6
 
 
+def test_costs_grow_with_the_context_between_the_two_tables():
+    short = CostTable(target={1: 1.0, 9: 1.1, 17: 2.0})
+    long = CostTable(target={1: 1.2, 9: 2.0, 17: 2.2})  # after 1040 tokens: 9 rows now dearer; 17 less than short's + 0.2
+    rule = SuffixLength(short, long_costs=long, long_context=1040)
+    assert rule.seconds(9, 16) == pytest.approx(1.1) and rule.seconds(9, 1040) == pytest.approx(2.0)
+    assert rule.seconds(9, 528) == pytest.approx(1.1 + 0.9 / 2)  # halfway
+    assert rule.seconds(9, 2064) == pytest.approx(1.1 + 0.9 * 2)  # linear past it
+    assert rule.seconds(17, 1040) == pytest.approx(2.2) and rule.seconds(5, 1040) == pytest.approx(1.2 + 0.4)
+    assert SuffixLength(short).seconds(9, 5000) == pytest.approx(1.1)  # no long table: the context does not count
+    # 16 rows a little dearer than 8 after a short context, far dearer after a long one: a shorter chain there
+    rule = SuffixLength(CostTable(target={1: 1.0, 8: 1.05, 9: 2.0, 17: 2.1}),
+                        long_costs=CostTable(target={1: 1.2, 8: 1.3, 9: 2.4, 17: 4.5}), long_context=1040)
+    for _ in range(20):
+        rule.record(40, 16, 16)
+    assert rule.choose(*CHAIN, match=40, context=16) == 16
+    assert rule.choose(*CHAIN, match=40, context=1040) == 7
+
+
 def _toy_pipe(costs, k=12):
     pipe = graphspec.Pipeline(_target(), draft="suffix", num_speculative_tokens=k, draft_length="auto")
     pipe.graph["draft"].length = SuffixLength(costs)
@@ -133,6 +151,9 @@ def test_costs_are_timed_once_on_the_first_greedy_run(tiny):
     rule = drafter.length
     assert sorted(rule.costs.target) == [1, 2, 4, 6, 8, 9, 10] and rule.max_k == 9
     assert all(v > 0 for v in rule.costs.target.values())
+    # and again after a long context (as long as the model's positions allow, up to 1024)
+    assert rule.long_context == min(1024, tiny.config.max_position_embeddings - 11) > 16
+    assert sorted(rule.long_costs.target) == [1, 8, 9, 10] and all(v > 0 for v in rule.long_costs.target.values())
     assert pipe.run(prompt, max_new_tokens=24, ignore_eos=True).token_ids == plain
     assert drafter.length is rule  # timed once
     other = graphspec.Pipeline(tiny, draft="suffix", num_speculative_tokens=9, draft_length="auto")
