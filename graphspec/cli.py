@@ -481,13 +481,7 @@ def _read_prompts(path: Path | None) -> list[dict]:
         if not isinstance(items, list):
             raise CLIError(f"--prompts {path}: a .json file holds a list of prompts (each a string or "
                            f"{_PROMPT_FORMS}), got a JSON {type(items).__name__}")
-        for n, item in enumerate(items, 1):
-            if isinstance(item, str):
-                item = {"prompt": item}
-            problem = _prompt_problem(item)
-            if problem:
-                raise CLIError(f"--prompts {path}: item {n} {problem}")
-            prompts.append(item)
+        prompts = [_checked_prompt(item, f"--prompts {path}: item {n}") for n, item in enumerate(items, 1)]
     elif path.suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -496,17 +490,22 @@ def _read_prompts(path: Path | None) -> list[dict]:
                 item = json.loads(line)
             except (ValueError, RecursionError) as e:
                 raise CLIError(f"--prompts {path}: line {n} is not JSON ({getattr(e, 'msg', type(e).__name__)})") from None
-            if isinstance(item, str):
-                item = {"prompt": item}
-            problem = _prompt_problem(item)
-            if problem:
-                raise CLIError(f"--prompts {path}: line {n} {problem}")
-            prompts.append(item)
+            prompts.append(_checked_prompt(item, f"--prompts {path}: line {n}"))
     else:
         prompts = [{"prompt": line} for line in text.splitlines() if line.strip()]
     if not prompts:
         raise CLIError(f"--prompts {path}: no prompts in the file")
     return prompts
+
+
+def _checked_prompt(item, where: str) -> dict:
+    """One bench prompt item (a bare string is a "prompt"), or a CLIError that starts with ``where``."""
+    if isinstance(item, str):
+        item = {"prompt": item}
+    problem = _prompt_problem(item)
+    if problem:
+        raise CLIError(f"{where} {problem}")
+    return item
 
 
 _PROMPT_FORMS = ('a "prompt" string, a "messages" list of {"role": str, "content": str} or a "token_ids" list of '
