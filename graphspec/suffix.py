@@ -655,6 +655,15 @@ class SuffixDrafter(Stage):
         sc["proposed_from"] = "local" if best[0] else None
         return best
 
+    def propose_sized(self, state, k: int) -> tuple[list[int], list[int], list[float], list[int], int]:
+        """As ``propose``, the tree sized by ``length`` (set, greedy runs) after the previous sized tree is settled;
+        the caller that proposes it sets ``scratch["auto_last"]`` so that the next step settles it."""
+        with self.store.lock:
+            self._settle(state, state.scratch(self))
+            toks, parents, scores, counts, match = self._propose(state, k, capped=False)
+            n = self.length.choose(scores, parents, match, len(state.tokens))
+        return toks[:n], parents[:n], scores[:n], counts[:n], match
+
     def _settle(self, state, sc: dict) -> None:
         """The previous step's tree under ``length`` against the tokens committed since: its rates learn from it."""
         last = sc.get("auto_last")
@@ -665,16 +674,10 @@ class SuffixDrafter(Stage):
 
     def run(self, state) -> None:
         k = state.num_draft
-        auto = self.length is not None and state.params.greedy
-        if auto:
-            with self.store.lock:
-                sc = state.scratch(self)
-                self._settle(state, sc)
-                toks, parents, scores, counts, length = self._propose(state, k, capped=False)
-                n = self.length.choose(scores, parents, length, len(state.tokens))
-                toks, parents, scores, counts = toks[:n], parents[:n], scores[:n], counts[:n]
-                if n:
-                    sc["auto_last"] = (len(state.tokens), toks, parents, length)
+        if self.length is not None and state.params.greedy:
+            toks, parents, scores, counts, length = self.propose_sized(state, k)
+            if toks:
+                state.scratch(self)["auto_last"] = (len(state.tokens), toks, parents, length)
         else:
             toks, parents, scores, counts, length = self.propose(state, k)
         extra = state.run.extra["suffix"]
@@ -1082,14 +1085,9 @@ class HybridDrafter(Stage):
         length = self.suffix.length if state.params.greedy else None
         verify_ratio = 1.0
         if length is not None:  # draft_length="auto": the tree sized by this machine's verify costs, as suffix alone
-            with self.store.lock:
-                ssc = state.scratch(self.suffix)
-                self.suffix._settle(state, ssc)
-                toks, parents, scores, counts, match = self.suffix._propose(state, k, capped=False)
-                size = length.choose(scores, parents, match, n)
-                toks, parents, scores, counts = toks[:size], parents[:size], scores[:size], counts[:size]
+            toks, parents, scores, counts, match = self.suffix.propose_sized(state, k)
             if toks:
-                verify_ratio = length.seconds(model_k + 1, n) / length.seconds(size + 1, n)
+                verify_ratio = length.seconds(model_k + 1, n) / length.seconds(len(toks) + 1, n)
         else:
             toks, parents, scores, counts, _ = self.suffix.propose(state, k)
         tree = (toks, parents, scores)
@@ -1103,7 +1101,7 @@ class HybridDrafter(Stage):
         if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost, share=share,
                                         verify_ratio=verify_ratio):
             if length is not None:  # settled by the suffix drafter's rates at the next step
-                ssc["auto_last"] = (n, toks, parents, match)
+                state.scratch(self.suffix)["auto_last"] = (n, toks, parents, match)
             write_tree(state, toks, parents, counts)
             sc["last"] = ("suffix", n, tree, 0)
             extra["suffix_steps"] += 1
