@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -220,27 +221,40 @@ def test_metrics_parse_and_add_up_to_what_was_served(tiny):
 
 def test_a_full_queue_answers_429_at_once(tiny):
     engine = Engine(tiny["plain"], max_batch=1, max_queue=0, policy="off")
-    # Each target step takes at least 10 ms, so the busy request (400 tokens) still runs when the second one
-    # arrives: a tiny model could otherwise finish it before the server has sent its first line.
+    # Once the busy request has sent its first line, its target steps wait until the test lets them go, so it
+    # is still running when the second request arrives, however fast or loaded the machine is.
     step = engine._target.step
+    hold, release = threading.Event(), threading.Event()
+    held = []
 
-    slowed = []
-
-    def slow_step(*args, **kwargs):
-        slowed.append(1)
-        time.sleep(0.01)
+    def held_step(*args, **kwargs):
+        if hold.is_set() and not release.is_set():
+            held.append(1)
+            release.wait(timeout=60)
         return step(*args, **kwargs)
 
-    engine._target.step = slow_step
+    engine._target.step = held_step
     with _serving(engine) as url, httpx.Client(timeout=60) as http:
         body = {"prompt": "hello", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
-        with http.stream("POST", url + "/v1/completions", json=body) as busy:
-            next(busy.iter_lines())
-            t0 = time.monotonic()
-            r = http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
-            assert time.monotonic() - t0 < 5
-            assert slowed  # the busy request's steps went through the slowed target
+        try:
+            with http.stream("POST", url + "/v1/completions", json=body) as busy:
+                lines = busy.iter_lines()
+                next(lines)
+                hold.set()
+                t0 = time.monotonic()
+                r = http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+                assert time.monotonic() - t0 < 5
+                assert engine.running  # the busy request was still in its slot
+                deadline = time.monotonic() + 30
+                while not held and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert held  # its steps went through the held target
+                release.set()
+                for _ in lines:
+                    pass
+        finally:
+            release.set()
         deadline = time.monotonic() + 30
         while engine.running and time.monotonic() < deadline:
             time.sleep(0.05)
