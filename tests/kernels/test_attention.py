@@ -231,6 +231,12 @@ EXACT_TRIALS = [
     (40, 101, "deep", (2, 3, 1, 80)),
     (33, 16, None, (1, 2, 2, 64)),
     (66, 30, None, (1, 4, 2, 64)),
+    # Query heads per kv head past the C++ kernel's P @ V tiles (7 = 6 + 1, 5, 4), head dims of 1, 3 and 16 of its
+    # 16-float chunks (bf16 scores take 32 at a time: 16 and 48 end on a half block).
+    (3, 21, None, (1, 14, 2, 64)),
+    (2, 45, None, (1, 5, 1, 256)),
+    (6, 17, None, (1, 8, 2, 16)),
+    (7, 35, None, (1, 10, 2, 48)),
 ]
 
 
