@@ -269,11 +269,13 @@ template <typename T>
 void attend_row(const T* q, int64_t q_head_stride, const T* k, const T* v, int64_t key_stride, const int64_t* slot,
                 int64_t n, int64_t g, int64_t d, float scale, float* scores, float* qf, float* acc, uint16_t* qb,
                 const uint16_t* zero) {
-  for (int64_t h = 0; h < g; ++h)
-    for (int64_t e = 0; e < d; ++e) qf[h * d + e] = widen(q[h * q_head_stride + e]);
   const bool vec = kVector && d % 16 == 0 && d / 16 <= kMaxChunks;
+  const bool dp_bf16 = GS_AVX512 && std::is_same<T, at::BFloat16>::value && vec;  // scores_bf16 reads q as it is
+  if (!dp_bf16)
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t e = 0; e < d; ++e) qf[h * d + e] = widen(q[h * q_head_stride + e]);
 #if GS_AVX512
-  if (std::is_same<T, at::BFloat16>::value && vec) {
+  if (dp_bf16) {
     const int64_t cp = (d + 31) / 32;
     for (int64_t h = 0; h < g; ++h) {
       std::memcpy(qb + h * cp * 32, q + h * q_head_stride, d * sizeof(uint16_t));
