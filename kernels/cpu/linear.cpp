@@ -13,9 +13,8 @@
 //
 // Numerics: each output is one fp32 sum over k in a fixed order, plus the bias, rounded to bf16 to nearest
 // even. avx512: pairs k, k + 1 in turn, each pair's two products added as vdpbf16ps does (denormals flushed,
-// as in oneDNN's bf16 kernels). avx2: two sums, fma(w[k], x[k], acc) for the even k = 0, 2, 4, ... in turn and
-// for the odd k in turn (a bf16 x bf16 product is exact in fp32, so each is a plain sequential sum), then
-// even + odd. Nothing in that order depends on the number
+// as in oneDNN's bf16 kernels). avx2: fma(w[k], x[k], acc) for k = 0, 1, 2, ... in turn (a bf16 x bf16 product
+// is exact in fp32, so this is the plain sequential fp32 sum). Nothing in that order depends on the number
 // of rows, on which other rows share the product, or on the thread count: a row comes out bit-identical
 // whether it is computed alone (a decode step), in a verify of K + 1 rows, or in a prefill, which keeps greedy
 // speculative output equal to autoregressive output in bf16. The two levels round differently from each other.
@@ -42,7 +41,7 @@ constexpr int64_t kBlock = 16;  // outputs per block: one zmm of fp32 sums
 #if GS_AVX512
 constexpr int kMaxRows = 8;  // rows of x per register tile: 8 x 3 or 6 x 4 sums of the 32 zmm
 #else
-constexpr int kMaxRows = 2;  // 2 rows x 2 halves x (even, odd) sums + 2 weights + 4 broadcasts of the 16 ymm
+constexpr int kMaxRows = 5;  // 5 rows x 2 halves of one block: 10 sums of the 16 ymm
 #endif
 
 bool supported() { return GS_HAVE_BF16 != 0; }
@@ -120,36 +119,61 @@ inline __m128i to_bf16(__m256 v) {
 inline __m256 fma(__m256 acc, __m256 a, __m256 b) { return _mm256_fmadd_ps(a, b, acc); }
 
 // y[m, b*16 .. (b + NB)*16) for M rows and NB consecutive blocks from b (the last may be partial). x: M rows of
-// fp32, row stride ldx (2 * kp, zero padded); w: the packed weight as uint32 pairs. Each output has two sums,
-// over the even and over the odd inputs, so that a tile holds 8 independent FMA chains (what covers the FMA
-// latency at two a cycle) and nothing spills from the 16 registers: 1 row x 2 blocks or 2 rows x 1 block (with
-// 12 sums GCC spilled some, and each spilled chain then waits on a store and a load every step).
+// fp32, row stride ldx (2 * kp, zero padded); w: the packed weight as uint32 pairs. Each output is one sum,
+// fma(w[k], x[k], acc) for k = 0, 1, 2, ... in turn: a pair's even weight (its bits shifted left by 16) then its
+// odd one (the pair masked). A tile holds 8 to 12 sums, two FMAs a pair of inputs each, enough chains to cover
+// the FMA latency at two a cycle with nothing spilled from the 16 registers. Two loop orders, both measured on
+// an AVX2-only AMD EPYC Zen 3 (perf/RESULTS.md): a tile of several blocks takes one half block (8 outputs) at a
+// time for all its rows; a tile of one block (4 or 5 rows) takes every even product of the tile, then every odd
+// one, so each broadcast of x feeds both halves.
 template <int M, int NB>
 inline void tile(const float* __restrict x, int64_t ldx, const uint32_t* __restrict w, int64_t kp,
                  const float* __restrict bias, at::BFloat16* __restrict y, int64_t ldy, int64_t b, int64_t n) {
-  __m256 acc[M][NB][2][2];  // [row][block][half of the block][even, odd inputs]
-#pragma GCC unroll 4
+  __m256 acc[M][NB][2];  // [row][block][half of the block]
+#pragma GCC unroll 8
   for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j)
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) acc[m][j][h][0] = acc[m][j][h][1] = _mm256_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[m][j][0] = acc[m][j][1] = _mm256_setzero_ps();
   const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint32_t* wb = w + b * kp * kBlock;
   // Every loop over the sums fully unrolled (the pragmas): a sum indexed by a loop variable stays in memory,
   // stored every step and, short of registers, reloaded.
   for (int64_t k = 0; k < kp; ++k) {
+    if constexpr (NB > 1) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) {
-      const uint32_t* wk = w + ((b + j) * kp + k) * kBlock;
+      for (int j = 0; j < NB; ++j) {
+        const uint32_t* wk = wb + (j * kp + k) * kBlock;
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * h));
-        const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), o = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
-#pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          acc[m][j][h][0] = fma(acc[m][j][h][0], e, _mm256_broadcast_ss(x + m * ldx + 2 * k));
-          acc[m][j][h][1] = fma(acc[m][j][h][1], o, _mm256_broadcast_ss(x + m * ldx + 2 * k + 1));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * h));
+          const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            acc[m][j][h] = fma(acc[m][j][h], e, _mm256_broadcast_ss(x + m * ldx + 2 * k));
+            acc[m][j][h] = fma(acc[m][j][h], o, _mm256_broadcast_ss(x + m * ldx + 2 * k + 1));
+          }
         }
+      }
+    } else {
+      const uint32_t* wk = wb + k * kBlock;
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(x + m * ldx + 2 * k);
+        acc[m][0][0] = fma(acc[m][0][0], e0, xe);
+        acc[m][0][1] = fma(acc[m][0][1], e1, xe);
+      }
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256 xo = _mm256_broadcast_ss(x + m * ldx + 2 * k + 1);
+        acc[m][0][0] = fma(acc[m][0][0], o0, xo);
+        acc[m][0][1] = fma(acc[m][0][1], o1, xo);
       }
     }
   }
@@ -160,28 +184,27 @@ inline void tile(const float* __restrict x, int64_t ldx, const uint32_t* __restr
     alignas(32) float bb[kBlock] = {0.f};
     if (bias) std::memcpy(bb, bias + first, sizeof(float) * valid);
     const __m256 b0 = _mm256_load_ps(bb), b1 = _mm256_load_ps(bb + 8);
-#pragma GCC unroll 4
-    for (int m = 0; m < M; ++m) {  // (even + odd) + bias
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {  // sum + bias
       alignas(32) at::BFloat16 out[kBlock];
-      const __m256 s0 = _mm256_add_ps(acc[m][j][0][0], acc[m][j][0][1]);
-      const __m256 s1 = _mm256_add_ps(acc[m][j][1][0], acc[m][j][1][1]);
-      _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(_mm256_add_ps(s0, b0)));
-      _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16(_mm256_add_ps(s1, b1)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(out), to_bf16(_mm256_add_ps(acc[m][j][0], b0)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(out + 8), to_bf16(_mm256_add_ps(acc[m][j][1], b1)));
       std::memcpy(y + m * ldy + first, out, sizeof(at::BFloat16) * valid);
     }
   }
 }
 
-// Blocks per tile for a chunk of `rows` rows.
-inline int64_t tile_blocks(int64_t rows) { return rows == 1 ? 2 : 1; }
+// Blocks per tile for a chunk of `rows` rows: 1 x 4, 2 x 2, 3 x 2, 4 x 1 or 5 x 1.
+inline int64_t tile_blocks(int64_t rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
-// One tile: `rows` rows (1..2) x `nb` blocks (at most tile_blocks(rows); fewer at the end of a task).
+// One tile: `rows` rows (1..5) x `nb` blocks (at most tile_blocks(rows); fewer at the end of a task).
 void tile_rows(int rows, int nb, const float* x, int64_t ldx, const uint32_t* w, int64_t kp, const float* bias,
                at::BFloat16* y, int64_t ldy, int64_t b, int64_t n) {
   switch (rows * 8 + nb) {
 #define GS_TILE2(R, W) \
   case R * 8 + W: tile<R, W>(x, ldx, w, kp, bias, y, ldy, b, n); return;
-    GS_TILE2(1, 1) GS_TILE2(1, 2) GS_TILE2(2, 1)
+    GS_TILE2(1, 1) GS_TILE2(1, 2) GS_TILE2(1, 3) GS_TILE2(1, 4) GS_TILE2(2, 1) GS_TILE2(2, 2) GS_TILE2(3, 1)
+    GS_TILE2(3, 2) GS_TILE2(4, 1) GS_TILE2(5, 1)
 #undef GS_TILE2
     default: TORCH_CHECK(false, "linear_cpu: internal error, a ", rows, " x ", nb, " tile");
   }

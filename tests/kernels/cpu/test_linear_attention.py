@@ -172,21 +172,24 @@ def test_native_attention_checks_its_inputs():
 
 
 @pytest.mark.parametrize("k,n", [(130, 423), (17, 3), (1536, 40)])
-@pytest.mark.parametrize("m", [1, 4, 7])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 11])
 def test_avx2_linear_is_its_order_of_fp32_sums(m, k, n):
-    """avx2: each output is two sums, fma(w[k], x[k], acc) over the even k in turn and over the odd k in turn, then
-    even + odd + bias, rounded to bf16. A bf16 x bf16 product is exact in fp32, so each is a plain sequential
-    fp32 sum, redone here in torch: bit for bit."""
+    """avx2: each output is one sum, fma(w[k], x[k], acc) for k = 0, 1, 2, ... in turn, then + bias, rounded to
+    bf16. A bf16 x bf16 product is exact in fp32, so it is the plain sequential fp32 sum, redone here in torch:
+    bit for bit, for every tile shape (1 to 5 rows, 11 rows as 4 + 4 + 3) and each row alone."""
     if "avx2" not in cpu.supported_levels():
         pytest.skip("this CPU has no AVX2")
     x, w, b = _inputs(m, k, n, seed=k + n)
     with cpu.use_level("avx2"):
-        y = linear(x, prepare_weight(w), b)
+        packed = prepare_weight(w)
+        y = linear(x, packed, b)
+        alone = [linear(x[r:r + 1], packed, b) for r in range(m)]
     xf, wf = x.float(), w.float()
-    sums = [torch.zeros(m, n), torch.zeros(m, n)]
+    s = torch.zeros(m, n)
     for i in range(k):
-        sums[i % 2] += xf[:, i:i + 1] * wf[:, i][None, :]  # exact product, one fp32 rounding per add
-    assert torch.equal(y, ((sums[0] + sums[1]) + b.float()).bfloat16())
+        s += xf[:, i:i + 1] * wf[:, i][None, :]  # exact product, one fp32 rounding per add
+    assert torch.equal(y, (s + b.float()).bfloat16())
+    assert torch.equal(torch.cat(alone), y)
 
 
 @needs_native
