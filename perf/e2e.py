@@ -212,20 +212,39 @@ def graphspec_runner(method: str, dtype, pool: dict, k: int | None = None, draft
     return gen
 
 
-def run_interleaved(gens: dict, prompt_ids, max_new_tokens, log) -> dict:
+def run_interleaved(gens: dict, prompt_ids, max_new_tokens, log, failures: dict | None = None) -> dict:
     """Every method on prompt 1, then every method on prompt 2, ... (order rotated per prompt).
 
     The machine is shared: load drifts over minutes, so methods that ran minutes apart would not
     compare. Interleaving puts each method's prompts in the same stretches of time.
+
+    A transformers method that raises (a peer's bug, not ours) is dropped from the run with its error
+    logged and kept in ``failures``; graphspec's own methods raise as they are.
     """
     names = list(gens)
-    for name in names:
-        gens[name](prompt_ids[0][:16], 4)  # warm-up: first-call allocations, oneDNN primitive creation
+
+    def call(name, ids, n):
+        if failures is None or name not in HF_METHODS:
+            return gens[name](ids, n)
+        try:
+            return gens[name](ids, n)
+        except Exception as e:  # noqa: BLE001 - the peer's failure is recorded, not ours to fix
+            failures[name] = f"{type(e).__name__}: {e}"
+            log(f"  {name} raised {failures[name]}; left out of this run")
+            names.remove(name)
+            return None
+
+    for name in list(names):
+        call(name, prompt_ids[0][:16], 4)  # warm-up: first-call allocations, oneDNN primitive creation
     runs: dict = {name: [] for name in names}
     for i, ids in enumerate(prompt_ids):
         order = names[i % len(names):] + names[:i % len(names)]
         for name in order:
-            runs[name].append(gens[name](ids, max_new_tokens))
+            r = call(name, ids, max_new_tokens)
+            if r is None:
+                runs.pop(name)
+            else:
+                runs[name].append(r)
         log(f"  prompt {i + 1}/{len(prompt_ids)}: " + ", ".join(
             f"{n} {runs[n][-1]['tokens'] / runs[n][-1]['seconds']:.2f}" for n in names) + " tok/s")
     return {name: _aggregate(r) for name, r in runs.items()}
@@ -271,9 +290,10 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
             "draft_length": draft_length,
             "draft_confidence_threshold": DRAFT_CONFIDENCE}
     hf_gens = {}
+    failures: dict = {}
     if together:
         hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}
-        res = run_interleaved({**hf_gens, **ours_gens}, prompt_ids, max_new_tokens, log)
+        res = run_interleaved({**hf_gens, **ours_gens}, prompt_ids, max_new_tokens, log, failures)
     else:
         res = run_interleaved(ours_gens, prompt_ids, max_new_tokens, log)
         ours_gens.clear()
@@ -281,14 +301,15 @@ def run_dtype(dtype, methods, hf_methods, prompt_ids, max_new_tokens, ks: dict, 
         gc.collect()
         if hf_methods:
             hf_gens = {m: hf_runner(m, dtype, pool) for m in hf_methods}
-            res.update(run_interleaved(hf_gens, prompt_ids, max_new_tokens, log))
+            res.update(run_interleaved(hf_gens, prompt_ids, max_new_tokens, log, failures))
+    info["transformers_failures"] = failures
     pool.clear()
     gc.collect()
     ours = {m: res[m] for m in methods}
     for m in methods:
         if m != "ar":
             ours[m]["num_speculative_tokens"] = ks[m]
-    return ours, {m: res[m] for m in hf_methods}, info
+    return ours, {m: res[m] for m in hf_methods if m in res}, info
 
 
 def _aggregate(runs: list[dict]) -> dict:

@@ -61,3 +61,24 @@ def test_e2e_on_gguf_a8_weights(tmp_path):
     assert run["draft_quantize"] == quantize
     # the Q4_K_M 1.5B's blocks (about 1 GB a step), not its fp32 or bf16 size
     assert 0.8e9 < run["weight_bytes"] < 1.3e9
+
+
+def test_e2e_drops_a_transformers_method_that_raises_and_keeps_ours():
+    """A peer's bug (transformers 5.25's universal assisted generation raised on every prompt) leaves that
+    method out with its error recorded; graphspec's own methods still raise."""
+    from perf import e2e
+
+    def ok(ids, n):
+        return {"seconds": 1.0, "tokens": n, "token_ids": list(range(n))}
+
+    def broken(ids, n):
+        raise RuntimeError("cannot reshape tensor of 0 elements")
+
+    logged, failures = [], {}
+    res = e2e.run_interleaved({"hf_ar": ok, "hf_assist_smollm2": broken}, [[1, 2, 3], [4, 5]], 3, logged.append,
+                              failures)
+    assert set(res) == {"hf_ar"} and res["hf_ar"]["tokens"] == 6
+    assert failures == {"hf_assist_smollm2": "RuntimeError: cannot reshape tensor of 0 elements"}
+    assert any("hf_assist_smollm2 raised" in line for line in logged)
+    with pytest.raises(RuntimeError):
+        e2e.run_interleaved({"ar": broken}, [[1, 2, 3]], 3, logged.append, {})
