@@ -708,8 +708,19 @@ GS_INLINE __m256i scale_pairs(const uint8_t* p) {
   return _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(c, 16));
 }
 
+// How many super-blocks ahead the avx2 a8 GEMM asks for its tiles (a prefetch past the weight's end is harmless).
+constexpr int kPrefetch = 2;
+
+// Quads (4 weights of a row) whose vpmaddubsw pair sums are added in int16 before vpmaddwd applies the scales:
+// as many as keep every int16 lane within 32767 with |x| <= 127. Q4_K: 8 (a sub-block, 8 * 2 * 15 * 127 = 30480),
+// Q5_K: 4 (4 * 2 * 31 * 127 = 31496), Q6_K: 2 (2 * 2 * 63 * 127 = 32004). Integer sums, so S is the same whatever
+// the chunk; it halves to an eighth the vpmaddwd and int32 adds per row of x, the part that grows with the rows.
+template <int T>
+constexpr int kChunk = T == Q4_K ? 8 : T == Q5_K ? 4 : 2;
+
 // avx2: each half of the tile (rows 0-7, 8-15) on its own, 8 rows a ymm. No vpdpbusd: vpmaddubsw (pairs in int16,
-// at most 2 * 63 * 127, never saturated) then vpmaddwd with scale_pairs: the same integer S.
+// at most 2 * 63 * 127, never saturated) summed over kChunk quads, then vpmaddwd with scale_pairs: the same
+// integer S as the avx512 path.
 template <int T, int G>
 GS_INLINE void tile_a8_half(const uint8_t* __restrict t, int half, int64_t nsb, const int8_t* const* xq,
                             const float* const* dx, const int16_t* const* xs, __m256* acc) {
@@ -718,36 +729,47 @@ GS_INLINE void tile_a8_half(const uint8_t* __restrict t, int half, int64_t nsb, 
   const int hb = 32 * half;  // byte offset of the half in a 64-byte run
   const int rh = 8 * half;   // its first row
   for (int64_t b = 0; b < nsb; ++b, t += kTileBytes<T>) {
+    // The tile kPrefetch super-blocks on (the next tile row's, past the end of this one: tile rows follow each
+    // other in memory), asked for in the first half's pass; the second half finds the lines in cache. A tile is
+    // read in runs that jump around its bytes, which the hardware prefetchers follow late.
+    if (half == 0)
+      for (int l = 0; l < kTileBytes<T>; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetch * kTileBytes<T> + l), _MM_HINT_T0);
     __m256i S[G];
     for (int m = 0; m < G; ++m) S[m] = _mm256_setzero_si256();
     if constexpr (T == Q6_K) {
+      // Group by group (q outer) so that a row of x holds one int16 accumulator: quads j, j + 32, j + 16, j + 48
+      // of j = 4p .. 4p + 3 are groups p, p + 8, p + 4, p + 12 (low and high nibbles of runs j and j + 16).
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {
-        const int grp[4] = {p, p + 8, p + 4, p + 12};
-        __m256i c[4];
-        for (int q = 0; q < 4; ++q) c[q] = scale_pairs<true>(t + sc_off<T>(grp[q]) + rh);
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          const int j = 4 * p + i;
-          const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(j) + hb));
-          const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(j + 16) + hb));
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + high_off<T>(j) + hb));
-          const __m256i w[4] = {
-              _mm256_or_si256(_mm256_and_si256(va, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(va, 4), m4), _mm256_and_si256(h, m30)),
-              _mm256_or_si256(_mm256_and_si256(vb, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vb, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
-          constexpr int xoff[4] = {0, 128, 64, 192};
-          for (int m = 0; m < G; ++m)
-            for (int q = 0; q < 4; ++q) {
-              const __m256i pr = _mm256_maddubs_epi16(w[q], _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j + xoff[q])));
-              S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(pr, c[q]));
+        for (int q = 0; q < 4; ++q) {
+          const int g = q == 0 ? p : q == 1 ? p + 8 : q == 2 ? p + 4 : p + 12;
+          const int xoff = q == 0 ? 0 : q == 1 ? 128 : q == 2 ? 64 : 192;
+          const __m256i c = scale_pairs<true>(t + sc_off<T>(g) + rh);
+#pragma GCC unroll 2
+          for (int i0 = 0; i0 < 4; i0 += kChunk<T>) {
+            __m256i A[G];
+            for (int m = 0; m < G; ++m) A[m] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int i = i0; i < i0 + kChunk<T>; ++i) {
+              const int j = 4 * p + i;
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(q < 2 ? j : j + 16) + hb));
+              const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + high_off<T>(j) + hb));
+              __m256i w;
+              if (q == 0) w = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+              else if (q == 1) w = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(h, m30));
+              else if (q == 2) w = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+              else w = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+              for (int m = 0; m < G; ++m)
+                A[m] = _mm256_add_epi16(A[m], _mm256_maddubs_epi16(w, _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j + xoff))));
             }
-        }
-        for (int q = 0; q < 4; ++q) {  // minus 32 sc_g X_g, the offset of the six-bit quants
-          const __m256i e = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + sc_off<T>(grp[q]) + rh)));
+            for (int m = 0; m < G; ++m) S[m] = _mm256_add_epi32(S[m], _mm256_madd_epi16(A[m], c));
+          }
+          // minus 32 sc_g X_g, the offset of the six-bit quants
+          const __m256i e = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + sc_off<T>(g) + rh)));
           for (int m = 0; m < G; ++m)
-            S[m] = _mm256_sub_epi32(S[m], _mm256_mullo_epi32(e, _mm256_set1_epi32(32 * xs[m][b * 16 + grp[q]])));
+            S[m] = _mm256_sub_epi32(S[m], _mm256_mullo_epi32(e, _mm256_set1_epi32(32 * xs[m][b * 16 + g])));
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kDOff<T> + 2 * rh)));
@@ -755,27 +777,33 @@ GS_INLINE void tile_a8_half(const uint8_t* __restrict t, int half, int64_t nsb, 
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[m]), _mm256_mul_ps(d, _mm256_set1_ps(dx[m][b])), acc[m]);
     } else {
 #pragma GCC unroll 4
-      for (int s = 0; s < 4; ++s) {
-        const __m256i c0 = scale_pairs<false>(t + sc_off<T>(s) + rh), c1 = scale_pairs<false>(t + sc_off<T>(s + 4) + rh);
+      for (int s = 0; s < 4; ++s) {  // sub-blocks s (low nibbles of runs 8s ..) and s + 4 (their high nibbles)
+#pragma GCC unroll 2
+        for (int i0 = 0; i0 < 8; i0 += kChunk<T>) {
+          __m256i A0[G], A1[G];
+          for (int m = 0; m < G; ++m) A0[m] = A1[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          const int j = 8 * s + i;
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(j) + hb));
-          __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-          if constexpr (T == Q5_K) {
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + high_off<T>(i) + hb));
-            switch (s) {
-              case 0: lo = _mm256_or_si256(lo, bit_to4<0>(h)); hi = _mm256_or_si256(hi, bit_to4<4>(h)); break;
-              case 1: lo = _mm256_or_si256(lo, bit_to4<1>(h)); hi = _mm256_or_si256(hi, bit_to4<5>(h)); break;
-              case 2: lo = _mm256_or_si256(lo, bit_to4<2>(h)); hi = _mm256_or_si256(hi, bit_to4<6>(h)); break;
-              default: lo = _mm256_or_si256(lo, bit_to4<3>(h)); hi = _mm256_or_si256(hi, bit_to4<7>(h)); break;
+          for (int i = i0; i < i0 + kChunk<T>; ++i) {
+            const int j = 8 * s + i;
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nib_off<T>(j) + hb));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if constexpr (T == Q5_K) {  // high run i: bit s (quad j), bit s + 4 (quad j + 32)
+              const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + high_off<T>(i) + hb));
+              switch (s) {
+                case 0: lo = _mm256_or_si256(lo, bit_to4<0>(h)); hi = _mm256_or_si256(hi, bit_to4<4>(h)); break;
+                case 1: lo = _mm256_or_si256(lo, bit_to4<1>(h)); hi = _mm256_or_si256(hi, bit_to4<5>(h)); break;
+                case 2: lo = _mm256_or_si256(lo, bit_to4<2>(h)); hi = _mm256_or_si256(hi, bit_to4<6>(h)); break;
+                default: lo = _mm256_or_si256(lo, bit_to4<3>(h)); hi = _mm256_or_si256(hi, bit_to4<7>(h)); break;
+              }
+            }
+            for (int m = 0; m < G; ++m) {
+              A0[m] = _mm256_add_epi16(A0[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j))));
+              A1[m] = _mm256_add_epi16(A1[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 128 + 4 * j))));
             }
           }
-          for (int m = 0; m < G; ++m) {
-            const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j)));
-            const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq[m] + b * 256 + 128 + 4 * j)));
-            S[m] = _mm256_add_epi32(S[m], _mm256_add_epi32(_mm256_madd_epi16(p0, c0), _mm256_madd_epi16(p1, c1)));
-          }
+          const __m256i c0 = scale_pairs<false>(t + sc_off<T>(s) + rh), c1 = scale_pairs<false>(t + sc_off<T>(s + 4) + rh);
+          for (int m = 0; m < G; ++m)
+            S[m] = _mm256_add_epi32(S[m], _mm256_add_epi32(_mm256_madd_epi16(A0[m], c0), _mm256_madd_epi16(A1[m], c1)));
         }
       }
       __m256i Mn[G];

@@ -157,6 +157,24 @@ def test_a8_rounds_ties_to_even(level, type_name):
 
 
 @pytest.mark.parametrize("type_name", A8)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a8_largest_quants_and_activations_stay_exact(level, type_name, sign):
+    # every quant, sub-scale and min at its largest and every x at +-127: the avx2 path sums vpmaddubsw pairs in
+    # int16 over several quads before scaling (kChunk in qgemm.cpp), and one quad too many wraps a lane here
+    n, k = 9, 512
+    blocks = random_blocks(type_name, n, k, seed=3).reshape(n * k // 256, -1)
+    if type_name == "Q6_K":
+        blocks[:, :192] = 0xFF  # ql, qh: quants 63
+        blocks[:, 192:208] = 0x7F  # int8 sub-scales 127
+    else:
+        blocks[:, 4:] = 0xFF  # 6-bit scales and mins 63, (Q5_K: high bits,) nibbles 15: quants 15 / 31
+    w = BlockWeight(type_name, torch.from_numpy(blocks.reshape(n, -1).copy()), (n, k), "int8")
+    x = torch.full((3, k), sign)
+    err = (qlinear(x, w).double() - qlinear_a8_ref(x, w).double()).abs()
+    assert (err <= _a8_bound(x, w)).all(), f"{level} {type_name}: worst {float((err / _a8_bound(x, w)).max()):.2f}x"
+
+
+@pytest.mark.parametrize("type_name", A8)
 def test_a8_rows_are_exact_whatever_the_row_count_and_threads(level, type_name):
     _check_rows_exact(level, type_name, _a8_weight(type_name, 29, 512), _with_outliers(13, 512, seed=1))
 
