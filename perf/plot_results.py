@@ -68,21 +68,40 @@ def plot(rows: list[dict], out: Path, dtype: str) -> Path:
     return out
 
 
+# The table also shows each pair's chain methods (the GGUF targets' runs draft chains).
+TABLE_PAIRS = {**PAIRS, "spec_0.5b_chain": PAIRS["spec_0.5b"], "spec_smollm2_chain": PAIRS["spec_smollm2"]}
+
+
+# A row's instruction set, from its CPU flags, and the CPU backend levels a run on it uses by default.
+ISAS = (("amx", "AMX", ("avx512", "amx")), ("avx512", "AVX-512", ("avx512",)), ("avx2", "AVX2", ("avx2",)))
+
+
+def machine_label(r: dict) -> str:
+    """``lscpu`` model name and instruction set (one model name covers CPUs of different sets: AMD EPYC Zen 3 and
+    Zen 4), plus the CPU backend level where a run asked for a lower one than the machine's."""
+    for flag, isa, levels in ISAS:
+        if flag in r["cpu_flags"]:
+            label = f"{r['machine']} ({isa})"
+            return label if not r["cpu_level"] or r["cpu_level"] in levels else f"{label}, {r['cpu_level']} level"
+    return r["machine"]
+
+
 def table(path: Path) -> str:
-    """The README's results table: per draft pair, machine and dtype, the latest full run measured against
-    transformers, and llama.cpp's ratio from the latest run that measured it (its date when another run's)."""
+    """The README's results table: per draft pair and method, machine (:func:`machine_label`), weights and threads, the latest full run, preferring one measured
+    against transformers; and llama.cpp's ratio from the latest run that measured it (its date when another
+    run's)."""
     with path.open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["method"] in PAIRS and r["prompts"] == "4"
+        rows = [r for r in csv.DictReader(f) if r["method"] in TABLE_PAIRS and r["prompts"] == "4"
                 and r["max_new_tokens"] == "128"]
     best: dict[tuple, dict] = {}
     llama: dict[tuple, dict] = {}
     for r in sorted(rows, key=lambda r: r["date"]):
-        key = (r["method"], r["machine"], r["dtype"], r["threads"])
-        if r["x_transformers"]:
+        key = (TABLE_PAIRS[r["method"]], r["method"], machine_label(r), r["dtype"], r["threads"])
+        if r["x_transformers"] or key not in best or not best[key]["x_transformers"]:
             best[key] = r
         if r["x_llamacpp"]:
             llama[key] = r
-    out = ["| pair | machine | dtype, threads | draft | tok/s | x our AR | x transformers (assisted) | x llama.cpp | "
+    out = ["| pair | machine | weights, threads | draft | tok/s | x our AR | x transformers (assisted) | x llama.cpp | "
            "tokens / target forward | same tokens as AR | date | commit |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(best):
@@ -90,12 +109,13 @@ def table(path: Path) -> str:
         lc = llama.get(key)
         lc_cell = "-" if lc is None else f"{float(lc['x_llamacpp']):.2f}x" + (
             "" if lc is r else f" ({lc['date'][:10]}, {lc['commit']})")
+        hf_cell = f"{float(r['x_transformers']):.2f}x" if r["x_transformers"] else "-"
         settings = dict(kv.split("=", 1) for kv in r["draft_settings"].split())
         shape = {"?": "", "0": "chain"}.get(settings.get("siblings", "?"), "tree")
         draft = ", ".join(x for x in (settings.get("quantize", "?").replace("?", ""), shape, f"K={r['k']}") if x)
-        out.append(f"| {PAIRS[r['method']]} | {r['machine']} | {r['dtype']}, {r['threads']} | {draft} | "
+        out.append(f"| {TABLE_PAIRS[r['method']]} | {key[2]} | {r['dtype']}, {r['threads']} | {draft} | "
                    f"{float(r['tokens_per_second']):.2f} | {float(r['x_our_ar']):.2f}x | "
-                   f"{float(r['x_transformers']):.2f}x | {lc_cell} | {float(r['tokens_per_target_forward']):.2f} | "
+                   f"{hf_cell} | {lc_cell} | {float(r['tokens_per_target_forward']):.2f} | "
                    f"{r['same_tokens_as_ar']} | {r['date'][:10]} | {r['commit']} |")
     return "\n".join(out)
 

@@ -83,3 +83,34 @@ def test_the_results_table_has_its_columns_and_e2e_appends_to_it(tmp_path):
             spec["same_tokens_as_ar"], spec["cpu_family_model"], spec["commit"], spec["k"]) == (
         "spec_0.5b", "d", "2.000", "4.000", "2.500", "1/2", "25/17", "abc1234", "5")
     assert "quantize=int8" in spec["draft_settings"] and "siblings=auto" in spec["draft_settings"]
+
+
+def test_the_readme_results_table_tells_cpus_of_one_name_apart(tmp_path):
+    sys.path.append(str(ROOT))
+    from perf._common import RESULTS_COLUMNS
+    from perf.plot_results import table
+
+    base = dict.fromkeys(RESULTS_COLUMNS, "")
+    base.update(machine="AMD EPYC", threads="1", dtype="gguf-a8", method="spec_0.5b_chain", prompts="4",
+                max_new_tokens="128", k="3", draft_settings="quantize=int8 siblings=0", tokens_per_target_forward="2.5",
+                same_tokens_as_ar="4/4", commit="abc")
+    rows = [dict(base, date="2026-01-01 00:00:00 UTC", cpu_flags="avx2 fma f16c avx512f avx512_bf16", cpu_level="avx512",
+                 tokens_per_second="20.0", x_our_ar="1.20", x_transformers="5.0"),
+            dict(base, date="2026-01-02 00:00:00 UTC", cpu_flags="avx2 fma f16c avx512f avx512_bf16", cpu_level="avx512",
+                 tokens_per_second="21.0", x_our_ar="1.25"),  # later, without transformers: not shown
+            dict(base, date="2026-01-03 00:00:00 UTC", cpu_flags="avx2 fma f16c", cpu_level="avx2",
+                 tokens_per_second="11.0", x_our_ar="1.10", x_llamacpp="1.80"),
+            dict(base, date="2026-01-04 00:00:00 UTC", cpu_flags="avx2 fma f16c avx512f avx512_bf16", cpu_level="avx2",
+                 tokens_per_second="15.0", x_our_ar="1.05")]
+    path = tmp_path / "results.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULTS_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    lines = table(path).splitlines()[2:]
+    assert len(lines) == 3, lines
+    cells = {line.split(" | ")[1]: line for line in lines}
+    assert set(cells) == {"AMD EPYC (AVX-512)", "AMD EPYC (AVX2)", "AMD EPYC (AVX-512), avx2 level"}
+    assert "| 20.00 | 1.20x | 5.00x | - |" in cells["AMD EPYC (AVX-512)"]
+    assert "| 11.00 | 1.10x | - | 1.80x |" in cells["AMD EPYC (AVX2)"]
+    assert "int8, chain, K=3" in cells["AMD EPYC (AVX2)"]
