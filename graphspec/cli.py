@@ -142,7 +142,7 @@ def _add_model_flags(p: argparse.ArgumentParser, *, draft_required: bool = False
                    help="how a draft with another tokenizer is mapped to the target (default auto)")
     p.add_argument("--draft-quantize", default="auto", choices=["auto", "int8", "int4", "none"],
                    help="draft model weights: int8 (CPU only; a cheaper draft, output unchanged), int4 (int8 with the "
-                        "draft's few-token steps in 4 bits: cheaper still, lower acceptance; AVX-512 VNNI) or as --dtype; "
+                        "draft's few-token steps in 4 bits: cheaper still, lower acceptance; AVX2 or AVX-512) or as --dtype; "
                         "auto = int8 on a CPU")
     p.add_argument("--weights", default="checkpoint", choices=["checkpoint", "gguf", "gguf-a8"],
                    help="target weights: checkpoint (safetensors, in --dtype) or gguf (its GGUF file's blocks as stored: "

@@ -55,7 +55,7 @@ def load_model(path, dtype: torch.dtype | str | None = None, device: torch.devic
     backend: None (dispatch by device), "torch" or "triton": pinned for this model's forward.
     quantize: None, or "int8" for a draft model on the CPU (int8 GEMM weights, activations in
     ``dtype``; approximate: see ``Transformer``), or "int4" (the same, with the C++ forward's
-    few-row layer products in 4 bits; needs AVX-512 VNNI).
+    few-row layer products in 4 bits; needs the CPU backend's avx512 or avx2 level).
     weights: None (safetensors; a ``.gguf`` file means "gguf"), or "gguf": the GGUF file's tensors in their own
     block formats (a ``.gguf`` path, or a zoo name: its GGUF in the cache), fp32 activations, exactly the GGUF's
     model (``graphspec.models.gguf_weights``); or "gguf-a8": the same blocks with the k-quants' products taking

@@ -27,8 +27,8 @@
   sizes the per-op cost is a large part of a draft step; at the torch level, the general forward.
 - ``quantize="int4"``: an int8 model whose C++ forward runs the layers' products of up to 3 rows
   with those int8 weights rounded again to 4 bits, one scale per 64 inputs (kernels/cpu/int4_gemm.h:
-  0.56 bytes a weight); prefills and the lm_head stay int8. It needs the CPU backend's avx512 level
-  (VNNI), and says so at load where it is missing (no silent int8).
+  0.56 bytes a weight); prefills and the lm_head stay int8. It needs the CPU backend's avx512 or avx2
+  level, and says so at load where it is missing (no silent int8).
 - Every op goes through ``graphspec.kernels`` and its dispatch; this file never knows whether
   Triton or torch runs underneath. ``backend`` pins the choice for this model's calls only.
 - A model holds weights and nothing else: run state lives in the ``KVCache`` of each caller,
@@ -77,9 +77,9 @@ def check_quantize(quantize, backend, device) -> None:
     if quantize and (backend == "triton" or torch.device(device).type != "cpu"):
         raise ValueError(f"quantize={quantize!r} runs graphspec's and torch's int8 CPU GEMMs; it cannot run on "
                          f"{device} with backend={backend!r}: load this model without quantize")
-    if quantize == "int4" and not cpu.have_vnni():
-        raise ValueError(f"quantize='int4' runs graphspec's int4 GEMM, which needs the CPU backend's avx512 level "
-                         f"(AVX-512 VNNI), but the level here is {cpu.level()} ({cpu.ENV}): use quantize='int8'")
+    if quantize == "int4" and not cpu.have_int4():
+        raise ValueError(f"quantize='int4' runs graphspec's int4 GEMM, which needs the CPU backend's avx512 or avx2 "
+                         f"level, but the level here is {cpu.level()} ({cpu.ENV}): use quantize='int8'")
 
 
 def _picked_rows(segments, rows, device) -> tuple[torch.Tensor, list[int]]:

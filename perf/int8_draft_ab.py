@@ -7,7 +7,7 @@ For each draft model (loaded as the pipeline loads a CPU draft: ``quantize="int8
 (graphspec.kernels.cpu.int8_draft) alternates between configurations LEVEL:GEMM on the same cache, round by
 round, so a shared host's drift hits all alike: the levels of the CPU backend (graphspec.kernels.cpu: avx512's
 vpdpbusd int8 GEMM, avx2's vpmaddwd one, generic's plain loops) and the GEMMs ("int8", or "int4": the 4-bit
-layer products of ``quantize="int4"``, avx512 only). Default: int8 at every C++ level this CPU executes. It
+layer products of ``quantize="int4"``, avx512 and avx2). Default: int8 at every C++ level this CPU executes. It
 prints the median milliseconds of ``model.step`` over T new tokens after ``--cached`` ones, logits for the last
 row (what a draft asks for), and each configuration's ratio to the first. Writes perf/results/int8_draft_ab.json.
 """
@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     configs = args.configs or [f"{lv}:int8" for lv in levels]
     for c in configs:
         lv, _, gemm = c.partition(":")
-        if lv not in levels or gemm not in ("int8", "int4") or (gemm == "int4" and not cpu.have_vnni(lv)):
-            raise SystemExit(f"--configs {c}: expected LEVEL:int8 or avx512:int4 with LEVEL one of {levels}")
+        if lv not in levels or gemm not in ("int8", "int4") or (gemm == "int4" and not cpu.have_int4(lv)):
+            raise SystemExit(f"--configs {c}: expected LEVEL:int8 or LEVEL:int4 (avx512, avx2) with LEVEL one of {levels}")
     result = {"machine": machine_info(), "cached": args.cached, "rows": []}
     print(f"# {result['machine'].get('cpu_model')} x{result['machine']['cpu_count']}, load "
           f"{result['machine'].get('loadavg')}", flush=True)

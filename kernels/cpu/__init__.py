@@ -35,7 +35,7 @@ import torch
 from graphspec.kernels.cpu import _build
 from graphspec.kernels.cpu._build import CFLAGS, NativeBuildError, build
 
-__all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_vnni", "level",
+__all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_int4", "have_vnni", "level",
            "ops", "qops", "runnable_levels", "set_level", "supported_levels", "use_level"]
 
 ENV = "GRAPHSPEC_CPU"
@@ -243,8 +243,14 @@ def bf16_linear(name: str | None = None) -> bool:
 
 
 def have_vnni(name: str | None = None) -> bool:
-    """Whether ``name`` (default: the level in force) has the VNNI GEMMs (int4): avx512 only."""
+    """Whether ``name`` (default: the level in force) has AVX-512 VNNI (``vpdpbusd``): avx512 only."""
     return (level() if name is None else name) == "avx512"
+
+
+def have_int4(name: str | None = None) -> bool:
+    """Whether ``name`` (default: the level in force) has the int4 GEMM of ``quantize="int4"`` drafts: avx512
+    (``vpdpbusd``) and avx2 (``vpmaddubsw``), the same bits."""
+    return (level() if name is None else name) in ("avx512", "avx2")
 
 
 def ops(name: str | None = None):

@@ -1,5 +1,5 @@
-// An int4 GEMM (4-bit weights in groups of 64 inputs, 8-bit activations) for small row counts on CPUs with
-// AVX-512 VNNI (the avx512 level only): the int8 draft forward's layer products where a draft is asked to run in 4 bits
+// An int4 GEMM (4-bit weights in groups of 64 inputs, 8-bit activations) for small row counts at the avx512
+// (AVX-512 VNNI) and avx2 levels: the int8 draft forward's layer products where a draft is asked to run in 4 bits
 // (int8_draft.cpp, set_gemm("int4")). Header-only, beside int8_gemm.h, whose activation
 // rounding it shares.
 //
@@ -18,7 +18,8 @@
 //
 // Sums: with each row of x rounded as in int8_gemm.h (x ~ s_x * (u - z)),
 //   y[m, n] = s_x * (sum_g s[g, n] * (A[g, m, n] - 8 * U[g, m]) - z * R[n]),
-// A the int32 sum of u * w' over the group (vpdpbusd), U the sum of the row's u over the group, R[n] =
+// A the int32 sum of u * w' over the group (vpdpbusd; at avx2 vpmaddubsw pair sums added in int16, then
+// vpmaddwd: the same integers), U the sum of the row's u over the group, R[n] =
 // sum_g s[g, n] * Q[g, n] with Q the sum of the group's q4. Each group's int32 sum is exact; the groups are
 // added in fp32 in a fixed order, so a row's result does not depend on the other rows or the thread count.
 
@@ -32,7 +33,11 @@ namespace graphspec_native {
 
 constexpr int64_t kI4Group = 64;       // inputs per scale
 constexpr int64_t kI4TileBlocks = 2;   // blocks per tile (32 outputs)
+#if GS_AVX512
 constexpr int kI4MaxRows = 4;          // 4 rows x 2 blocks x (2 int32 + 1 fp32 sums) = 24 zmm, + 4 weights, 2 broadcasts
+#else
+constexpr int kI4MaxRows = 3;          // avx2, 8 outputs at a time: 3 rows x (int16, int32, fp32 sums) + 6 = 15 ymm
+#endif
 
 // A packed int4 weight (see the layout above).
 struct Int4Matrix {
@@ -169,16 +174,82 @@ inline void int4_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, cons
   }
 }
 
-#endif  // GS_HAVE_VNNI
+#elif GS_AVX2
+
+// avx2: 8 outputs (half a block) at a time. vpmaddubsw of u (unsigned) and w' (0..15) gives int16 pair sums of at
+// most 2 * 255 * 15 = 7650; the low and high nibbles of two pairs p (4 x 7650 = 30600) add in int16, then vpmaddwd
+// with ones widens them to int32: the group's exact A, so each output gets the avx512 level's fp32 operations on the
+// same integers, and the same bits.
+template <int M>
+inline void int4_half(const uint32_t* u, int64_t ldu, const int32_t* us, int64_t ldus, const uint8_t* w, int nb,
+                      int j, int h, const float* sc, int64_t groups, const float* xs, const int32_t* xz,
+                      const float* zs, float* y, int64_t ldy, int64_t f, int64_t n) {
+  __m256 facc[M];
+  for (int r = 0; r < M; ++r) facc[r] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int pc = 0; pc < 8; pc += 2) {
+      __m256i a16[M];
+      for (int r = 0; r < M; ++r) a16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int p = pc; p < pc + 2; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ((g * 8 + p) * nb + j) * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        for (int r = 0; r < M; ++r) {
+          const uint32_t* ur = u + r * ldu + g * 16 + 2 * p;
+          a16[r] = _mm256_add_epi16(a16[r], _mm256_maddubs_epi16(_mm256_set1_epi32(static_cast<int>(ur[0])), lo));
+          a16[r] = _mm256_add_epi16(a16[r], _mm256_maddubs_epi16(_mm256_set1_epi32(static_cast<int>(ur[1])), hi));
+        }
+      }
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(a16[r], ones));
+    }
+    const __m256 s = _mm256_loadu_ps(sc + (g * nb + j) * kI8Block + 8 * h);
+    for (int r = 0; r < M; ++r) {
+      const __m256i a = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(8 * us[r * ldus + g]));
+      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), s, facc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(8, n - f);  // outputs f .. f + 7 that exist
+  const __m256 zv = _mm256_loadu_ps(zs + f);           // zs has a value (0) up to the block's end
+  for (int r = 0; r < M; ++r) {
+    const __m256 v = _mm256_fnmadd_ps(zv, _mm256_set1_ps(static_cast<float>(xz[r])), facc[r]);
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm256_mul_ps(v, _mm256_set1_ps(xs[r])));
+    for (int64_t i = 0; i < valid; ++i) y[r * ldy + f + i] = out[i];
+  }
+}
+
+inline void int4_tile_any(int rows, int nb, const uint32_t* u, int64_t ldu, const int32_t* us, int64_t ldus,
+                          const uint8_t* w, const float* sc, int64_t groups, const float* xs, const int32_t* xz,
+                          const float* zs, float* y, int64_t ldy, int64_t f0, int64_t n) {
+  for (int j = 0; j < nb; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t f = f0 + j * kI8Block + 8 * h;
+      if (f >= n) return;
+      switch (rows) {
+#define GS_I4_HALF(R) \
+  case R: int4_half<R>(u, ldu, us, ldus, w, nb, j, h, sc, groups, xs, xz, zs, y, ldy, f, n); break;
+        GS_I4_HALF(1) GS_I4_HALF(2) GS_I4_HALF(3)
+#undef GS_I4_HALF
+        default: TORCH_CHECK(false, "int4 GEMM: internal error, ", rows, " rows");
+      }
+    }
+}
+
+#endif  // GS_HAVE_VNNI / GS_AVX2
 
 // y [rows, N] fp32 = x [rows, K] fp32 (contiguous) times the packed int4 weight, as described above.
 inline at::Tensor int4_linear(const at::Tensor& x, const Int4Matrix& w) {
-  TORCH_CHECK(have_vnni(), "int4 GEMM: the ", GS_LEVEL_NAME, " level has no int4 GEMM (it needs avx512's VNNI)");
+  TORCH_CHECK(have_int4(), "int4 GEMM: the ", GS_LEVEL_NAME, " level has no int4 GEMM (it needs the avx512 or avx2 "
+              "level)");
   check_gemm_input(x, w.k, "int4 GEMM");
   const int64_t rows = x.size(0), n = w.n, G = w.groups(), nb = w.blocks(), kq = G * kI4Group / 4;
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-#if GS_HAVE_VNNI
+#if GS_HAVE_INT4
   std::vector<uint32_t> u(static_cast<size_t>(rows * kq));
   std::vector<int32_t> us(static_cast<size_t>(rows * G));
   std::vector<float> xs(rows);

@@ -8,7 +8,7 @@
 //
 // Weights: Int8Linear objects (one per GEMM weight, made by kernels.linear.Int8Weight for this level and shared
 // with its eager linear): int8 values and per-row scales, packed once for the int8 GEMM, and on request
-// rounded again to int4 (int4_gemm.h, avx512 only).
+// rounded again to int4 (int4_gemm.h, avx512 and avx2).
 
 #include <torch/custom_class.h>
 #include <torch/script.h>
@@ -29,7 +29,7 @@
 
 namespace {
 
-using graphspec_native::Int4Matrix;  // int4_gemm.h: graphspec's int4 GEMM (avx512)
+using graphspec_native::Int4Matrix;  // int4_gemm.h: graphspec's int4 GEMM (avx512, avx2)
 using graphspec_native::Int8Matrix;  // int8_gemm.h: graphspec's int8 GEMM (every level)
 
 // "int4" runs products of up to this many rows in 4 bits and larger ones (prefills) on the int8 GEMM: past 3
@@ -52,14 +52,14 @@ struct Int8Linear : torch::CustomClassHolder {
   int64_t in_features() const { return own.k; }
   // y [rows, N] fp32 = x [rows, K] fp32 times the weight (int8 GEMM).
   at::Tensor forward(at::Tensor x) const { return graphspec_native::int8_linear(x.contiguous(), own); }
-  // The same through the int4 rounding (packed on first call; avx512 only).
+  // The same through the int4 rounding (packed on first call; avx512 and avx2).
   at::Tensor forward4(at::Tensor x) {
     ensure_int4();
     return graphspec_native::int4_linear(x.contiguous(), own4);
   }
   void ensure_int4() {
-    TORCH_CHECK(graphspec_native::have_vnni(), "int8_native: the '", GS_LEVEL_NAME,
-                "' level has no int4 GEMM (it needs avx512's VNNI)");
+    TORCH_CHECK(graphspec_native::have_int4(), "int8_native: the '", GS_LEVEL_NAME,
+                "' level has no int4 GEMM (it needs the avx512 or avx2 level)");
     if (own4.n == 0) own4 = graphspec_native::pack_int4(q, scales);
   }
   void drop_int4() { own4 = Int4Matrix(); }
@@ -95,7 +95,7 @@ struct Int8Draft : torch::CustomClassHolder {
   int64_t num_layers() const { return stack.num_layers(); }
 
   // Which GEMM the layers run: "int8" (int8_gemm.h, every level) or "int4" (the layers' products of up to
-  // kInt4Rows rows rounded again to 4 bits, int4_gemm.h, packed on the first switch; avx512 only). The lm_head
+  // kInt4Rows rows rounded again to 4 bits, int4_gemm.h, packed on the first switch; avx512 and avx2). The lm_head
   // always runs int8.
   std::string gemm() const { return layers_gemm == Gemm::kInt4 ? "int4" : "int8"; }
   void set_gemm(const std::string& name) {

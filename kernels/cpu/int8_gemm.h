@@ -45,6 +45,7 @@ constexpr int kI8MaxRows = 1;  // measured: GCC vectorizes the one-row loop at t
 #endif
 
 inline bool have_vnni() { return GS_HAVE_VNNI != 0; }
+inline bool have_int4() { return GS_HAVE_INT4 != 0; }  // int4_gemm.h at this level
 
 // A packed int8 weight (see the layout above).
 struct Int8Matrix {

@@ -26,6 +26,7 @@
 #endif
 
 #define GS_HAVE_VNNI GS_AVX512  // int8_gemm.h / int4_gemm.h: vpdpbusd
+#define GS_HAVE_INT4 (GS_AVX512 || GS_AVX2)  // int4_gemm.h: vpdpbusd, or vpmaddubsw + vpmaddwd
 
 #if GS_AVX512
 #define GS_LEVEL_NAME "avx512"

@@ -1,5 +1,5 @@
 """Shared by the tests of graphspec's int8 and int4 GEMMs (kernels/cpu/int8_gemm.h, int4_gemm.h): the fixture
-that puts the avx512 level (the int4 GEMM's) in force, the activations' rounding redone in torch, and what each
+that puts each level with an int4 GEMM in force, the activations' rounding redone in torch, and what each
 GEMM owes its callers beyond its numbers."""
 
 import pytest
@@ -8,14 +8,17 @@ import torch
 from graphspec.kernels import cpu
 
 
-@pytest.fixture(scope="module")
-def vnni():
-    """The avx512 level in force (the int4 GEMM needs its VNNI); skips where this CPU lacks it, fails where it
-    does not build."""
-    if "avx512" not in cpu.supported_levels():
-        pytest.skip("graphspec's int4 GEMM needs the avx512 level (AVX-512 VNNI and BF16), which this CPU lacks")
-    with cpu.use_level("avx512"):
-        yield
+INT4_LEVELS = ("avx512", "avx2")  # the levels with an int4 GEMM (cpu.have_int4)
+
+
+@pytest.fixture(scope="module", params=INT4_LEVELS)
+def int4_level(request):
+    """Each level with the int4 GEMM in force (avx512's vpdpbusd, avx2's vpmaddubsw), by name; skips a level this
+    CPU cannot execute, fails where one does not build."""
+    if request.param not in cpu.supported_levels():
+        pytest.skip(f"this CPU cannot execute the {request.param} level")
+    with cpu.use_level(request.param):
+        yield request.param
 
 
 def round_activations(x: torch.Tensor):

@@ -1,4 +1,4 @@
-"""graphspec's int4 GEMM (kernels/cpu/int4_gemm.h, the avx512 level) against the same rounding done in torch, and the C++ draft
+"""graphspec's int4 GEMM (kernels/cpu/int4_gemm.h, the avx512 and avx2 levels) against the same rounding done in torch, and the C++ draft
 forward on it (``quantize="int4"``, ``set_gemm("int4")``) against fp32 maths on the same 4-bit weights.
 
 The weights: each int8 weight (symmetric per row, kernels/linear.py quantize_weight) rounded again per group
@@ -17,7 +17,7 @@ from graphspec.models import load_model
 from graphspec.models.transformer import check_quantize
 from tests.checkpoints import make_checkpoint
 from tests.models._chunks import chunked_steps
-from tests.kernels.cpu._int_gemm import check_gemm_contract, round_activations, vnni  # noqa: F401 (a fixture)
+from tests.kernels.cpu._int_gemm import INT4_LEVELS, check_gemm_contract, int4_level, round_activations  # noqa: F401 (a fixture)
 
 GROUP = 64
 INT4_ROWS = 3  # int8_draft.cpp kInt4Rows: larger products run on the int8 GEMM
@@ -53,7 +53,7 @@ class _Int4:
     """One weight through the int4 GEMM (``Int8Linear.forward4``)."""
 
     def __init__(self, qw):
-        self.linear = qw.native("avx512")
+        self.linear = qw.native()  # the level in force
 
     def forward(self, x):
         return self.linear.forward4(x)
@@ -65,7 +65,7 @@ def _gemm(w):
 
 
 @pytest.mark.parametrize("n,k", [(37, 21), (200, 577), (64, 64), (33, 1536), (16, 4), (1, 3), (130, 130)])
-def test_int4_gemm_is_its_rounding_done_in_torch(n, k, vnni):
+def test_int4_gemm_is_its_rounding_done_in_torch(n, k, int4_level):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     w[:, : min(k, 7)] *= 20  # a few large inputs: groups whose scale they set
@@ -78,7 +78,7 @@ def test_int4_gemm_is_its_rounding_done_in_torch(n, k, vnni):
     x[5] = 0  # and an all-zero row
     ref = reference(x, q4, gs)
     scale = ref.abs().max().item()
-    for rows in (1, 2, 3, 4, 5, 7, 13):  # every register tile height (4) and the equal chunks past it
+    for rows in (1, 2, 3, 4, 5, 7, 13):  # every register tile height (4 at avx512, 3 at avx2) and the chunks past it
         y = gemm.forward(x[:rows])
         assert y.shape == (rows, n) and y.dtype == torch.float32
         torch.testing.assert_close(y.double(), ref[:rows], rtol=1e-5, atol=1e-6 * scale)
@@ -91,7 +91,7 @@ def test_int4_gemm_is_its_rounding_done_in_torch(n, k, vnni):
     check_gemm_contract(gemm, x, n, columns_error="int4 GEMM: x has")
 
 
-def test_weights_on_a_4_bit_grid_come_back_exactly(vnni):
+def test_weights_on_a_4_bit_grid_come_back_exactly(int4_level):
     """Weights that are whole numbers in [-7, 7], each group holding a 7: int8 stores them as round(127 / 7 * w)
     steps of 7 / 127 (not exact), and the int4 rounding of that gives w back exactly."""
     g = torch.Generator().manual_seed(5)
@@ -110,7 +110,7 @@ SHAPES = [("llama", 64, 4, 2, 2), ("qwen2", 200, 5, 1, 2)]  # K = 64, 200 (a par
 
 
 @pytest.fixture(scope="module", params=range(len(SHAPES)), ids=lambda i: f"{SHAPES[i][0]}-h{SHAPES[i][1]}")
-def model(request, tmp_path_factory, vnni):
+def model(request, tmp_path_factory, int4_level):
     arch, hidden, heads, kv, layers = SHAPES[request.param]
     d = make_checkpoint(tmp_path_factory.mktemp(f"int4-{request.param}"), arch, tokenizer=None, hidden_size=hidden,
                         heads=heads, kv_heads=kv, layers=layers, tie=arch == "qwen2", seed=10 + request.param,
@@ -188,12 +188,28 @@ def test_set_gemm_int4_and_drop(model):
         obj.set_gemm("int4")
 
 
-def test_int4_needs_the_avx512_level(tmp_path, vnni):
+def test_int4_needs_the_avx512_or_avx2_level(tmp_path):
     d = make_checkpoint(tmp_path / "m", "llama", tokenizer=None, hidden_size=64, heads=4, kv_heads=2, layers=1)
-    for lower in ("avx2", "generic", "torch"):
+    for lower in ("generic", "torch"):
         if lower in cpu.supported_levels():
-            with cpu.use_level(lower), pytest.raises(ValueError, match=f"needs the CPU backend's avx512 level.*here is "
-                                                                      f"{lower}.*use quantize='int8'"):
+            with cpu.use_level(lower), pytest.raises(ValueError, match=f"needs the CPU backend's avx512 or avx2 level"
+                                                                      f".*here is {lower}.*use quantize='int8'"):
                 load_model(d, quantize="int4")
+    if "generic" in cpu.supported_levels():  # and the C++ op says so too
+        qw = quantize_weight(torch.randn(16, 64))
+        with pytest.raises(RuntimeError, match="the 'generic' level has no int4 GEMM"):
+            qw.native("generic").forward4(torch.randn(1, 64))
     with pytest.raises(ValueError, match="cannot run on cuda"):
         check_quantize("int4", None, "cuda")
+
+
+@pytest.mark.skipif(not set(INT4_LEVELS) <= set(cpu.supported_levels()), reason="needs a CPU that executes avx512 "
+                    "and avx2")
+def test_int4_avx512_and_avx2_give_the_same_bits():
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(75, 333, generator=g)
+    qw = quantize_weight(w)
+    x = torch.randn(7, 333, generator=g) * 2
+    for rows in (1, 2, 3, 4, 7):
+        got = [qw.native(lv).forward4(x[:rows]) for lv in INT4_LEVELS]
+        assert torch.equal(got[0], got[1]), rows

@@ -226,7 +226,7 @@ def test_set_gemm_refuses_unknown_names(model, level):
     with pytest.raises(RuntimeError, match="gemm must be 'int8' or 'int4', got 'mkl'"):
         obj.set_gemm("mkl")
     assert obj.gemm() == "int8"
-    if not cpu.have_vnni():
+    if not cpu.have_int4():
         with pytest.raises(RuntimeError, match=f"the '{level}' level has no int4 GEMM"):
             obj.set_gemm("int4")
         assert obj.gemm() == "int8"
