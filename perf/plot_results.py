@@ -87,7 +87,8 @@ def machine_label(r: dict) -> str:
 
 
 def table(path: Path) -> str:
-    """The README's results table: per draft pair and method, machine (:func:`machine_label`), weights and threads, the latest full run, preferring one measured
+    """The README's results table: per draft pair and method, machine (:func:`machine_label`), weights, threads and
+    the draft's quantization, the latest full run, preferring one measured
     against transformers; and llama.cpp's ratio from the latest run that measured it (its date when another
     run's)."""
     with path.open(newline="") as f:
@@ -96,7 +97,8 @@ def table(path: Path) -> str:
     best: dict[tuple, dict] = {}
     llama: dict[tuple, dict] = {}
     for r in sorted(rows, key=lambda r: r["date"]):
-        key = (TABLE_PAIRS[r["method"]], r["method"], machine_label(r), r["dtype"], r["threads"])
+        quantize = dict(kv.split("=", 1) for kv in r["draft_settings"].split()).get("quantize", "")
+        key = (TABLE_PAIRS[r["method"]], r["method"], machine_label(r), r["dtype"], r["threads"], quantize)
         if r["x_transformers"] or key not in best or not best[key]["x_transformers"]:
             best[key] = r
         if r["x_llamacpp"]:
