@@ -131,32 +131,42 @@ struct LayerStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(wqkv.size()); }
 
-  // One query head of one row: q [D] over the cache slots slot[0 .. n) of kv head kvh ([S, hk, D] rows of k and
-  // v), into out [D]; scores: n floats of scratch. The same operations in the same order whichever thread runs it.
-  void attend_head(const float* q, const float* kb, const float* vb, int64_t kvh, float* out, float* scores,
-                   const int64_t* slot, int64_t n) const {
+  // The g query heads of one row that share kv head kvh (q: g rows of [D], one after another) over the cache
+  // slots slot[0 .. n) of that kv head ([S, hk, D] rows of k and v), into out [g, D]; scores: g * n floats of
+  // scratch. Each key and value row is read once for the g heads (their dot products are independent, so they
+  // overlap instead of each waiting on its own FMA chain); each head's operations, and their order, are those of
+  // one head alone, so its bits do not depend on g or on the thread that runs it.
+  void attend_group(const float* q, int64_t g, const float* kb, const float* vb, int64_t kvh, float* out,
+                    float* scores, const int64_t* slot, int64_t n) const {
     const int64_t D = d, row = hk * D;
     const float sc = static_cast<float>(scale);
-    float mx = -INFINITY;
     for (int64_t i = 0; i < n; ++i) {
-      scores[i] = dot_f32(q, kb + slot[i] * row + kvh * D, D) * sc;
-      mx = std::max(mx, scores[i]);
+      const float* kr = kb + slot[i] * row + kvh * D;
+      for (int64_t h = 0; h < g; ++h) scores[h * n + i] = dot_f32(q + h * D, kr, D) * sc;
     }
-    float sum = 0.f;
+    for (int64_t h = 0; h < g; ++h) {
+      float* sh = scores + h * n;
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sh[i]);
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      scores[i] = fast_exp(scores[i] - mx);
-      sum += scores[i];
+      for (int64_t i = 0; i < n; ++i) {
+        sh[i] = fast_exp(sh[i] - mx);
+        sum += sh[i];
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
     }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) scores[i] *= inv;
-    std::fill(out, out + D, 0.f);
+    std::fill(out, out + g * D, 0.f);
     for (int64_t i = 0; i < n; ++i) {
-      const float p = scores[i];
       const float* vh = vb + slot[i] * row + kvh * D;
+      for (int64_t h = 0; h < g; ++h) {
+        const float p = scores[h * n + i];
+        float* oh = out + h * D;
 #pragma omp simd
-      for (int64_t j = 0; j < D; ++j) out[j] += p * vh[j];
+        for (int64_t j = 0; j < D; ++j) oh[j] += p * vh[j];
+      }
     }
   }
 
@@ -271,15 +281,18 @@ struct LayerStack {
           }
         }
       }
-      // every (row, q head) on its own, split between the threads: a row's bits do not depend on the split
-      at::parallel_for(0, BT * hq, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(max_len);
+      // every (row, kv head) with its group of q heads on its own, split between the threads: a row's bits do
+      // not depend on the split
+      const int64_t group = hq / hk;
+      at::parallel_for(0, BT * hk, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(group * max_len);
         for (int64_t item = begin; item < end; ++item) {
-          const int64_t r = item / hq, hh = item % hq;
+          const int64_t r = item / hk, kvh = item % hk;
           const Segment& sg = segs[row_seg[r]];
           const int64_t t = r - sg.row0;
-          attend_head(qp + item * D, sg.k[i], sg.v[i], hh / (hq / hk), ap + item * D, scores.data(),
-                      sg.slots.data() + t * sg.len, sg.counts[t]);
+          const int64_t first = r * hq + kvh * group;  // the group's first (row, q head)
+          attend_group(qp + first * D, group, sg.k[i], sg.v[i], kvh, ap + first * D, scores.data(),
+                       sg.slots.data() + t * sg.len, sg.counts[t]);
         }
       });
       at::Tensor o = gemm(wo[i], att, false);
