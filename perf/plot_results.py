@@ -86,6 +86,11 @@ def machine_label(r: dict) -> str:
     return r["machine"]
 
 
+def draft_settings(r: dict) -> dict:
+    """A row's ``draft_settings`` ("quantize=int8 siblings=0 ...") as a dict."""
+    return dict(kv.split("=", 1) for kv in r["draft_settings"].split())
+
+
 def table(path: Path) -> str:
     """The README's results table: per draft pair and method, machine (:func:`machine_label`), weights, threads and
     the draft's quantization, the latest full run, preferring one measured
@@ -97,8 +102,8 @@ def table(path: Path) -> str:
     best: dict[tuple, dict] = {}
     llama: dict[tuple, dict] = {}
     for r in sorted(rows, key=lambda r: r["date"]):
-        quantize = dict(kv.split("=", 1) for kv in r["draft_settings"].split()).get("quantize", "")
-        key = (TABLE_PAIRS[r["method"]], r["method"], machine_label(r), r["dtype"], r["threads"], quantize)
+        key = (TABLE_PAIRS[r["method"]], r["method"], machine_label(r), r["dtype"], r["threads"],
+               draft_settings(r).get("quantize", ""))
         if r["x_transformers"] or key not in best or not best[key]["x_transformers"]:
             best[key] = r
         if r["x_llamacpp"]:
@@ -112,7 +117,7 @@ def table(path: Path) -> str:
         lc_cell = "-" if lc is None else f"{float(lc['x_llamacpp']):.2f}x" + (
             "" if lc is r else f" ({lc['date'][:10]}, {lc['commit']})")
         hf_cell = f"{float(r['x_transformers']):.2f}x" if r["x_transformers"] else "-"
-        settings = dict(kv.split("=", 1) for kv in r["draft_settings"].split())
+        settings = draft_settings(r)
         shape = {"?": "", "0": "chain"}.get(settings.get("siblings", "?"), "tree")
         draft = ", ".join(x for x in (settings.get("quantize", "?").replace("?", ""), shape, f"K={r['k']}") if x)
         out.append(f"| {TABLE_PAIRS[r['method']]} | {key[2]} | {r['dtype']}, {r['threads']} | {draft} | "

@@ -35,7 +35,7 @@ import torch
 from graphspec.kernels.cpu import _build
 from graphspec.kernels.cpu._build import CFLAGS, NativeBuildError, build
 
-__all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_int4", "have_vnni", "level",
+__all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_int4", "level",
            "ops", "qops", "runnable_levels", "set_level", "supported_levels", "use_level"]
 
 ENV = "GRAPHSPEC_CPU"
@@ -240,11 +240,6 @@ def available(name: str | None = None) -> bool:
 def bf16_linear(name: str | None = None) -> bool:
     """Whether bf16 weights take the C++ linear at ``name`` (default: the level in force): avx512 and avx2."""
     return (level() if name is None else name) in ("avx512", "avx2")
-
-
-def have_vnni(name: str | None = None) -> bool:
-    """Whether ``name`` (default: the level in force) has AVX-512 VNNI (``vpdpbusd``): avx512 only."""
-    return (level() if name is None else name) == "avx512"
 
 
 def have_int4(name: str | None = None) -> bool:

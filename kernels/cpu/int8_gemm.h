@@ -44,7 +44,6 @@ constexpr int kI8MaxRows = 4;  // 4 x 1, 2 x 2 or 1 x 4 blocks of two ymm sums
 constexpr int kI8MaxRows = 1;  // measured: GCC vectorizes the one-row loop at the baseline flags, not the others
 #endif
 
-inline bool have_vnni() { return GS_HAVE_VNNI != 0; }
 inline bool have_int4() { return GS_HAVE_INT4 != 0; }  // int4_gemm.h at this level
 
 // A packed int8 weight (see the layout above).

@@ -8,7 +8,7 @@ import torch
 from graphspec.kernels import cpu
 
 
-INT4_LEVELS = ("avx512", "avx2")  # the levels with an int4 GEMM (cpu.have_int4)
+INT4_LEVELS = tuple(lv for lv in cpu.LEVELS if cpu.have_int4(lv))  # the levels with an int4 GEMM
 
 
 @pytest.fixture(scope="module", params=INT4_LEVELS)
