@@ -718,6 +718,10 @@ GS_INLINE __m256i keep(__m256i v) {
 
 // How many super-blocks ahead the avx2 a8 GEMM asks for its tiles (a prefetch past the weight's end is harmless).
 constexpr int kPrefetch = 2;
+template <int T>
+GS_INLINE void prefetch_tile(const uint8_t* tile) {  // every cache line of one tile, into L1
+  for (int l = 0; l < kTileBytes<T>; l += 64) _mm_prefetch(reinterpret_cast<const char*>(tile + l), _MM_HINT_T0);
+}
 // The most rows of x for which the avx2 a8 GEMM runs both halves of a tile super-block by super-block (below).
 constexpr int kInterleave = 1;
 
@@ -923,8 +927,7 @@ void tiles_pass(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, int6
   for (int i = 0; i < 2 * G; ++i) acc[i] = _mm256_setzero_ps();
   if constexpr (G <= kInterleave) {
     for (int64_t b = 0; b < nsb; ++b) {
-      for (int l = 0; l < kTileBytes<T>; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(t + (b + kPrefetch) * kTileBytes<T> + l), _MM_HINT_T0);
+      prefetch_tile<T>(t + (b + kPrefetch) * kTileBytes<T>);
       if constexpr (T == Q6_K) {  // measured: reads memory faster half by half than with shared broadcasts
         tile_a8_avx2<T, G, 1>(t, 0, b, xq, dx, xs, acc);
         tile_a8_avx2<T, G, 1>(t, 1, b, xq, dx, xs, acc + G);
@@ -935,9 +938,7 @@ void tiles_pass(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, int6
   } else {
     for (int h = 0; h < 2; ++h)
       for (int64_t b = 0; b < nsb; ++b) {
-        if (h == 0)
-          for (int l = 0; l < kTileBytes<T>; l += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(t + (b + kPrefetch) * kTileBytes<T> + l), _MM_HINT_T0);
+        if (h == 0) prefetch_tile<T>(t + (b + kPrefetch) * kTileBytes<T>);
         tile_a8_avx2<T, G, 1>(t, h, b, xq, dx, xs, acc + h * G);
       }
   }
