@@ -590,6 +590,12 @@ GS_INLINE int32_t load_i32(const void* p) {
 }
 
 #if GS_AVX512
+// keep(v) is v, and the compiler may not regroup the running sums across this point (as the avx2 keep below): at 4-6
+// rows of x GCC otherwise spills 60-360 vectors a super-block.
+GS_INLINE __m512i keep(__m512i v) {
+  asm("" : "+v"(v));
+  return v;
+}
 // Q5_K: bit `bit` of each byte of h moved to bit 4 (16-bit shifts; the mask drops what crosses between bytes).
 template <int bit>
 GS_INLINE __m512i bit_to4(__m512i h) {
@@ -625,10 +631,10 @@ GS_INLINE void tile_a8(const uint8_t* __restrict t, int64_t nsb, const int8_t* c
               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(vb, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30))};
           for (int m = 0; m < G; ++m) {
             const int8_t* x = xq[m] + b * 256 + 4 * j;  // quads j, j + 32, j + 16, j + 48
-            D[m][0] = _mm512_dpbusd_epi32(D[m][0], w[0], _mm512_set1_epi32(load_i32(x)));
-            D[m][1] = _mm512_dpbusd_epi32(D[m][1], w[1], _mm512_set1_epi32(load_i32(x + 128)));
-            D[m][2] = _mm512_dpbusd_epi32(D[m][2], w[2], _mm512_set1_epi32(load_i32(x + 64)));
-            D[m][3] = _mm512_dpbusd_epi32(D[m][3], w[3], _mm512_set1_epi32(load_i32(x + 192)));
+            D[m][0] = keep(_mm512_dpbusd_epi32(D[m][0], w[0], _mm512_set1_epi32(load_i32(x))));
+            D[m][1] = keep(_mm512_dpbusd_epi32(D[m][1], w[1], _mm512_set1_epi32(load_i32(x + 128))));
+            D[m][2] = keep(_mm512_dpbusd_epi32(D[m][2], w[2], _mm512_set1_epi32(load_i32(x + 64))));
+            D[m][3] = keep(_mm512_dpbusd_epi32(D[m][3], w[3], _mm512_set1_epi32(load_i32(x + 192))));
           }
         }
         const int grp[4] = {p, p + 8, p + 4, p + 12};
@@ -636,7 +642,7 @@ GS_INLINE void tile_a8(const uint8_t* __restrict t, int64_t nsb, const int8_t* c
           const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + sc_off<T>(grp[q]))));
           for (int m = 0; m < G; ++m) {
             const __m512i e = _mm512_sub_epi32(D[m][q], _mm512_set1_epi32(32 * xs[m][b * 16 + grp[q]]));
-            S[m] = _mm512_add_epi32(S[m], _mm512_mullo_epi32(e, c));
+            S[m] = keep(_mm512_add_epi32(S[m], _mm512_mullo_epi32(e, c)));
           }
         }
       }
@@ -663,21 +669,21 @@ GS_INLINE void tile_a8(const uint8_t* __restrict t, int64_t nsb, const int8_t* c
             }
           }
           for (int m = 0; m < G; ++m) {
-            D0[m] = _mm512_dpbusd_epi32(D0[m], lo, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j)));
-            D1[m] = _mm512_dpbusd_epi32(D1[m], hi, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 128 + 4 * j)));
+            D0[m] = keep(_mm512_dpbusd_epi32(D0[m], lo, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j))));
+            D1[m] = keep(_mm512_dpbusd_epi32(D1[m], hi, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 128 + 4 * j))));
           }
         }
         const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + sc_off<T>(s))));
         const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + sc_off<T>(s + 4))));
         for (int m = 0; m < G; ++m)
-          S[m] = _mm512_add_epi32(S[m], _mm512_add_epi32(_mm512_mullo_epi32(D0[m], c0), _mm512_mullo_epi32(D1[m], c1)));
+          S[m] = keep(_mm512_add_epi32(S[m], _mm512_add_epi32(_mm512_mullo_epi32(D0[m], c0), _mm512_mullo_epi32(D1[m], c1))));
       }
       __m512i Mn[G];
       for (int m = 0; m < G; ++m) Mn[m] = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {  // mins of sub-blocks 2p, 2p + 1 (int16 pairs) times their sums of q
         const __m512i mz = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kMnOff<T> + 32 * p)));
         for (int m = 0; m < G; ++m)
-          Mn[m] = _mm512_dpwssd_epi32(Mn[m], mz, _mm512_set1_epi32(load_i32(xs[m] + b * 8 + 2 * p)));
+          Mn[m] = keep(_mm512_dpwssd_epi32(Mn[m], mz, _mm512_set1_epi32(load_i32(xs[m] + b * 8 + 2 * p))));
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T>)));
       const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T> + 32)));
