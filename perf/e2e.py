@@ -543,6 +543,9 @@ def main(argv=None) -> int:
                                if k not in ("tokens_per_second", "first_difference", "hf_peer"))
             log(f"  = {method:18s} {row['tokens_per_second']:6.2f} tok/s  {extras}")
     if args.llamacpp:
+        # graphspec's figures are written first, so a llama.cpp failure (it is one line and stops the run) loses
+        # only llama.cpp's; the file is written again with them below.
+        log(f"# wrote {save_json(out, report)} (graphspec's runs; llama.cpp next)")
         run_llamacpp(report, prompts, tokenizer, max_new, args.k_model, log)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     path = save_json(out, report)

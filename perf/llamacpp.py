@@ -293,12 +293,15 @@ def prompt_texts(prompts: list[dict], tokenizer=None) -> list[str]:
 # ----------------------------------------------------------------------------------------------- runs
 
 
-def _run(cmd: list[str], what: str, timeout: float) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], what: str, timeout: float, crash_ok: bool = False) -> subprocess.CompletedProcess:
+    """Run ``cmd``; a failure is one line (SystemExit), except a crash (killed by a signal) with ``crash_ok``."""
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
                              timeout=timeout)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"llamacpp: {what} ran past {timeout:.0f}s; the machine is too loaded, or lower --reps") from None
+    if res.returncode < 0 and crash_ok:
+        return res
     if res.returncode != 0:
         print("\n".join((res.stdout + res.stderr).strip().splitlines()[-12:]), file=sys.stderr)
         raise SystemExit(f"llamacpp: {what} failed (exit {res.returncode}); its last lines are above; command: "
@@ -341,7 +344,17 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, threads: 
             cmd[-2:-2] = [flag, str(threads)]
     if re.search(r"(^|[\s,])-ngld[\s,]", help_text, re.M):
         cmd[-2:-2] = ["-ngld", "0"]
-    res = _run(cmd, f"llama-speculative ({threads} threads)", timeout=120 + n * 10.0)
+    repack = True
+    res = _run(cmd, f"llama-speculative ({threads} threads)", timeout=120 + n * 10.0,
+               crash_ok="--no-repack" in help_text)
+    if res.returncode < 0:
+        # Seen on an Intel Xeon with AMX: ggml's AMX mul_mat, which runs on the weights repacked at load, crashes
+        # (SIGSEGV) in this example; without repacking it runs. The result records which way it ran.
+        print(f"llamacpp: llama-speculative crashed (signal {-res.returncode}) with weight repacking; "
+              "running it again with --no-repack", file=sys.stderr)
+        cmd[-2:-2] = ["--no-repack"]
+        repack = False
+        res = _run(cmd, f"llama-speculative ({threads} threads, --no-repack)", timeout=120 + n * 10.0)
     out = res.stdout + "\n" + res.stderr
     enc = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
     dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
@@ -354,7 +367,8 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, threads: 
     tokens, seconds = int(dec.group(1)), float(dec.group(2))
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "prompt_tokens": int(enc.group(1)), "prompt_seconds": float(enc.group(2)),
-            "drafted": int(drafted.group(1)), "accepted": int(accepted.group(1)), "command_flags": cmd[5:-2]}
+            "drafted": int(drafted.group(1)), "accepted": int(accepted.group(1)), "command_flags": cmd[5:-2],
+            "repack": repack}
 
 
 def run(threads: list[int], prompts: list[dict], max_new_tokens: int = 128, k: int = K, reps: int = 3,

@@ -82,3 +82,32 @@ def test_e2e_drops_a_transformers_method_that_raises_and_keeps_ours():
     assert any("hf_assist_smollm2 raised" in line for line in logged)
     with pytest.raises(RuntimeError):
         e2e.run_interleaved({"ar": broken}, [[1, 2, 3]], 3, logged.append, {})
+
+
+def _fake_speculative(tmp_path, crash_with_repack: bool) -> Path:
+    """A stand-in llama-speculative: its --help names --no-repack; a run prints the lines llamacpp.speculative
+    parses, or dies of SIGSEGV where weights would be repacked (as ggml's AMX mul_mat did on an Intel Xeon)."""
+    exe = tmp_path / "llama-speculative"
+    crash = 'case " $* " in *" --no-repack "*) ;; *) kill -SEGV $$ ;; esac' if crash_with_repack else ""
+    exe.write_text(f"""#!/bin/sh
+if [ "$1" = "--help" ]; then echo "--repack, -nr, --no-repack   whether to enable weight repacking"; exit 0; fi
+{crash}
+echo "encoded    7 tokens in    0.100 seconds"
+echo "decoded   33 tokens in    2.000 seconds, speed:   16.500 t/s"
+echo "n_drafted = 30"
+echo "n_accept  = 24"
+""")
+    exe.chmod(0o755)
+    return exe
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_llamacpp_speculative_reruns_without_repacking_after_a_crash(tmp_path, capsys, crash):
+    from perf import llamacpp
+
+    _fake_speculative(tmp_path, crash)
+    r = llamacpp.speculative(tmp_path, tmp_path / "t.gguf", tmp_path / "d.gguf", "def f():", threads=1, n=32, k=3)
+    assert (r["tokens"], r["seconds"], r["drafted"], r["accepted"]) == (33, 2.0, 30, 24)
+    assert r["repack"] is (not crash)
+    assert ("--no-repack" in r["command_flags"]) is crash
+    assert ("crashed (signal 11)" in capsys.readouterr().err) is crash
