@@ -30,7 +30,9 @@ llama.cpp from it (several minutes on 2 cores). Main choices:
   graphspec's tokenizer (the same call as perf/e2e.py), raw prompts as they are; llama.cpp parses the
   special tokens in that text. Its figure is the one it prints: generated tokens / seconds after the
   prompt. That example stops once it has more than n tokens, so a run has n+1 to n+K of them (129-133
-  for n=128 here); the rate counts them all.
+  for n=128 here); the rate counts them all. Where it crashes with the weights repacked at load (ggml's AMX
+  matrix multiply, seen on an Intel Xeon with AMX), it runs again with ``--no-repack`` and its result says
+  ``repack: false``; llama-bench keeps its default.
 - Errors (no cmake, no compiler, a failed build or run) are one line saying what to install or
   where the log is.
 """
