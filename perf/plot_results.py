@@ -102,8 +102,9 @@ def table(path: Path) -> str:
     best: dict[tuple, dict] = {}
     llama: dict[tuple, dict] = {}
     for r in sorted(rows, key=lambda r: r["date"]):
+        settings = draft_settings(r)  # a run drafting 1..K tokens a step (length=auto) is its own row
         key = (TABLE_PAIRS[r["method"]], r["method"], machine_label(r), r["dtype"], r["threads"],
-               draft_settings(r).get("quantize", ""))
+               settings.get("quantize", ""), settings.get("length", ""))
         if r["x_transformers"] or key not in best or not best[key]["x_transformers"]:
             best[key] = r
         if r["x_llamacpp"]:
@@ -119,7 +120,8 @@ def table(path: Path) -> str:
         hf_cell = f"{float(r['x_transformers']):.2f}x" if r["x_transformers"] else "-"
         settings = draft_settings(r)
         shape = {"?": "", "0": "chain"}.get(settings.get("siblings", "?"), "tree")
-        draft = ", ".join(x for x in (settings.get("quantize", "?").replace("?", ""), shape, f"K={r['k']}") if x)
+        k = f"K<={r['k']} (auto)" if settings.get("length") == "auto" else f"K={r['k']}"
+        draft = ", ".join(x for x in (settings.get("quantize", "?").replace("?", ""), shape, k) if x)
         out.append(f"| {TABLE_PAIRS[r['method']]} | {key[2]} | {r['dtype']}, {r['threads']} | {draft} | "
                    f"{float(r['tokens_per_second']):.2f} | {float(r['x_our_ar']):.2f}x | "
                    f"{hf_cell} | {lc_cell} | {float(r['tokens_per_target_forward']):.2f} | "

@@ -101,15 +101,20 @@ def test_the_readme_results_table_tells_cpus_of_one_name_apart(tmp_path):
             dict(base, date="2026-01-03 00:00:00 UTC", cpu_flags="avx2 fma f16c", cpu_level="avx2",
                  tokens_per_second="11.0", x_our_ar="1.10", x_llamacpp="1.80"),
             dict(base, date="2026-01-04 00:00:00 UTC", cpu_flags="avx2 fma f16c avx512f avx512_bf16", cpu_level="avx2",
-                 tokens_per_second="15.0", x_our_ar="1.05")]
+                 tokens_per_second="15.0", x_our_ar="1.05"),
+            dict(base, date="2026-01-05 00:00:00 UTC", cpu_flags="avx2 fma f16c", cpu_level="avx2", k="5",
+                 draft_settings="quantize=int8 siblings=0 length=auto",  # its own row, not the K=3 run's
+                 tokens_per_second="12.0", x_our_ar="1.15")]
     path = tmp_path / "results.csv"
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=RESULTS_COLUMNS)
         w.writeheader()
         w.writerows(rows)
     lines = table(path).splitlines()[2:]
-    assert len(lines) == 3, lines
-    cells = {line.split(" | ")[1]: line for line in lines}
+    assert len(lines) == 4, lines
+    auto = [line for line in lines if "(auto)" in line]
+    assert len(auto) == 1 and "int8, chain, K<=5 (auto) | 12.00 | 1.15x" in auto[0]
+    cells = {line.split(" | ")[1]: line for line in lines if line not in auto}
     assert set(cells) == {"AMD EPYC (AVX-512)", "AMD EPYC (AVX2)", "AMD EPYC (AVX-512), avx2 level"}
     assert "| 20.00 | 1.20x | 5.00x | - |" in cells["AMD EPYC (AVX-512)"]
     assert "| 11.00 | 1.10x | - | 1.80x |" in cells["AMD EPYC (AVX2)"]
