@@ -31,8 +31,8 @@ llama.cpp from it (several minutes on 2 cores). Main choices:
   special tokens in that text. Its figure is the one it prints: generated tokens / seconds after the
   prompt. That example stops once it has more than n tokens, so a run has n+1 to n+K of them (129-133
   for n=128 here); the rate counts them all. Where it crashes with the weights repacked at load (ggml's AMX
-  matrix multiply, seen on an Intel Xeon with AMX), it runs again with ``--no-repack`` and its result says
-  ``repack: false``; llama-bench keeps its default.
+  matrix multiply, seen on an Intel Xeon with AMX), it runs again with ``--no-repack``, as do the runs after it,
+  and their results say ``repack: false``; llama-bench keeps its default.
 - Errors (no cmake, no compiler, a failed build or run) are one line saying what to install or
   where the log is.
 """
@@ -333,8 +333,9 @@ def _flags(binary: Path) -> str:
 
 
 def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, threads: int, n: int = 128, k: int = K,
-                help_text: str | None = None) -> dict:
-    """One llama-speculative run: greedy, ``n`` tokens (EOS ignored), ``k`` draft tokens a step, CPU only."""
+                help_text: str | None = None, repack: bool = True) -> dict:
+    """One llama-speculative run: greedy, ``n`` tokens (EOS ignored), ``k`` draft tokens a step, CPU only;
+    ``repack=False``: with ``--no-repack`` from the start (an earlier run of this binary crashed with repacking)."""
     exe = bin_dir / "llama-speculative"
     help_text = help_text if help_text is not None else _flags(exe)
     # the draft-length flag was renamed (--draft-max until 2026, --spec-draft-n-max in this version)
@@ -346,9 +347,10 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, threads: 
             cmd[-2:-2] = [flag, str(threads)]
     if re.search(r"(^|[\s,])-ngld[\s,]", help_text, re.M):
         cmd[-2:-2] = ["-ngld", "0"]
-    repack = True
-    res = _run(cmd, f"llama-speculative ({threads} threads)", timeout=120 + n * 10.0,
-               crash_ok="--no-repack" in help_text)
+    timeout = 120 + n * 10.0
+    if not repack:
+        cmd[-2:-2] = ["--no-repack"]
+    res = _run(cmd, f"llama-speculative ({threads} threads)", timeout, crash_ok=repack and "--no-repack" in help_text)
     if res.returncode < 0:
         # Seen on an Intel Xeon with AMX: ggml's AMX mul_mat, which runs on the weights repacked at load, crashes
         # (SIGSEGV) in this example; without repacking it runs. The result records which way it ran.
@@ -356,7 +358,7 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, threads: 
               "running it again with --no-repack", file=sys.stderr)
         cmd[-2:-2] = ["--no-repack"]
         repack = False
-        res = _run(cmd, f"llama-speculative ({threads} threads, --no-repack)", timeout=120 + n * 10.0)
+        res = _run(cmd, f"llama-speculative ({threads} threads, --no-repack)", timeout)
     out = res.stdout + "\n" + res.stderr
     enc = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
     dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
@@ -393,8 +395,10 @@ def run(threads: list[int], prompts: list[dict], max_new_tokens: int = 128, k: i
         log(f"  llama-bench tg{max_new_tokens}: {ar['tokens_per_second']:.2f} tok/s (+-{ar['stddev'] or 0:.2f}, "
             f"{reps} reps)")
         runs = []
+        repack = True  # until a run crashes with it: then the rest run without, not crash again first
         for i, text in enumerate(texts):
-            r = speculative(bin_dir, target, draft, text, t, max_new_tokens, k, help_text)
+            r = speculative(bin_dir, target, draft, text, t, max_new_tokens, k, help_text, repack)
+            repack = r["repack"]
             runs.append(r)
             log(f"  llama-speculative prompt {i + 1}/{len(texts)}: {r['tokens_per_second']:.2f} tok/s, "
                 f"{r['tokens']} tokens, accepted {r['accepted']}/{r['drafted']}")

@@ -111,3 +111,8 @@ def test_llamacpp_speculative_reruns_without_repacking_after_a_crash(tmp_path, c
     assert r["repack"] is (not crash)
     assert ("--no-repack" in r["command_flags"]) is crash
     assert ("crashed (signal 11)" in capsys.readouterr().err) is crash
+    if crash:  # told so, a later run goes without repacking at once: no second crash
+        r = llamacpp.speculative(tmp_path, tmp_path / "t.gguf", tmp_path / "d.gguf", "x", threads=1, n=32, k=3,
+                                 repack=False)
+        assert r["repack"] is False and "--no-repack" in r["command_flags"]
+        assert capsys.readouterr().err == ""
