@@ -39,9 +39,11 @@ __all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_li
            "ops", "qops", "runnable_levels", "set_level", "supported_levels", "use_level"]
 
 ENV = "GRAPHSPEC_CPU"
-LEVELS = ("avx512", "avx2", "generic", "torch")
+LEVELS = ("amx", "avx512", "avx2", "generic", "torch")
 
 _REQUIRES = {
+    "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+            "avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"),
     "avx2": ("avx2", "fma", "f16c"),
     "generic": (),
@@ -50,6 +52,8 @@ _REQUIRES = {
 """The /proc/cpuinfo flags a level's binary needs."""
 
 _FLAGS = {
+    "amx": ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+            "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mavx2",
                "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -57,6 +61,8 @@ _FLAGS = {
 }
 
 KERNELS = {
+    "amx": ("bf16 linear (AMX tiles, tdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)",
+            "int8 draft forward", "GGUF block GEMMs (avx512's)", "GGUF k-quants on int8 activations (avx512's)"),
     "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward",
                "GGUF block GEMMs (FMA)", "GGUF k-quants on int8 activations (16-row tiles, vpdpbusd)"),
     "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)",
@@ -115,6 +121,9 @@ def _load(name: str) -> None:
     """Build (or reuse) and load level ``name``'s extension once per process; NativeBuildError says why not."""
     _load_extension(name, f"graphspec_cpu_{name}", _SOURCES, f"cpu-{name}",
                     f"graphspec's C++ CPU backend at the {name} level", [])
+    if name == "amx" and not torch.ops.graphspec_cpu_amx.amx_permitted():
+        raise NativeBuildError("Linux did not grant this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM "
+                               "needs Linux 5.16 or newer)")
 
 
 _failed: dict[tuple[str, str], NativeBuildError] = {}  # (level, cache root) -> why it did not build
@@ -238,14 +247,14 @@ def available(name: str | None = None) -> bool:
 
 
 def bf16_linear(name: str | None = None) -> bool:
-    """Whether bf16 weights take the C++ linear at ``name`` (default: the level in force): avx512 and avx2."""
-    return (level() if name is None else name) in ("avx512", "avx2")
+    """Whether bf16 weights take the C++ linear at ``name`` (default: the level in force): amx, avx512 and avx2."""
+    return (level() if name is None else name) in ("amx", "avx512", "avx2")
 
 
 def have_int4(name: str | None = None) -> bool:
     """Whether ``name`` (default: the level in force) has the int4 GEMM of ``quantize="int4"`` drafts: avx512
     (``vpdpbusd``) and avx2 (``vpmaddubsw``), the same bits."""
-    return (level() if name is None else name) in ("avx512", "avx2")
+    return (level() if name is None else name) in ("amx", "avx512", "avx2")
 
 
 def ops(name: str | None = None):
@@ -284,19 +293,25 @@ def _load_q(name: str) -> None:
                     f"graphspec's C++ block-format GEMMs at the {name} level", ["-ffp-contract=off"])
 
 
+_Q_LEVEL = {"amx": "avx512"}
+"""Levels whose block-format extension would compile to another level's code: they load that one (amx has no
+tile path for the GGUF blocks, so its qgemm.cpp is avx512's, bit for bit, and is not built twice)."""
+
+
 def qops(name: str | None = None):
     """The block-format GEMM ops of level ``name`` (default: the level in force): ``level``, ``qlinear``."""
     name = level() if name is None else name
     if name == "torch":
         raise ValueError("the torch level has no C++ ops; check available() first")
-    return _namespace(name, "graphspec_cpuq_", _load_q)
+    return _namespace(_Q_LEVEL.get(name, name), "graphspec_cpuq_", _load_q)
 
 
 def qclasses(name: str | None = None):
     """The block-format custom classes of level ``name`` (default: the level in force): ``BlockLinear``,
     ``BlockModel``."""
+    name = level() if name is None else name
     qops(name)
-    return getattr(torch.classes, f"graphspec_cpuq_{level() if name is None else name}")
+    return getattr(torch.classes, f"graphspec_cpuq_{_Q_LEVEL.get(name, name)}")
 
 
 def classes(name: str | None = None):

@@ -3,6 +3,7 @@
 // -m flags and -DGS_NS=graphspec_cpu_<level>, so several levels load side by side in one process (the tests run
 // each level the machine can execute) and each binary holds only the instructions of its own level.
 //
+//   amx:     avx512 + AMX tiles for bf16 (Intel Sapphire Rapids and later): the bf16 linear on tiles, the rest avx512's
 //   avx512:  AVX-512 F/BW/VL/DQ + BF16 + VNNI (AMD Zen 4, Intel Sapphire Rapids and later)
 //   avx2:    AVX2 + FMA + F16C (most x86 CPUs since 2013: AMD Zen 1-3, Intel Haswell and later)
 //   generic: no -m flags: plain C++ the compiler vectorizes for the baseline of its target (any CPU)
@@ -13,6 +14,13 @@
 #define GS_AVX512 1
 #else
 #define GS_AVX512 0
+#endif
+
+// amx is avx512 plus tile products: every avx512 branch compiles for it too, and GS_AMX picks the tile paths.
+#if GS_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GS_AMX 1
+#else
+#define GS_AMX 0
 #endif
 
 #if !GS_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -28,7 +36,9 @@
 #define GS_HAVE_VNNI GS_AVX512  // int8_gemm.h / int4_gemm.h: vpdpbusd
 #define GS_HAVE_INT4 (GS_AVX512 || GS_AVX2)  // int4_gemm.h: vpdpbusd, or vpmaddubsw + vpmaddwd
 
-#if GS_AVX512
+#if GS_AMX
+#define GS_LEVEL_NAME "amx"
+#elif GS_AVX512
 #define GS_LEVEL_NAME "avx512"
 #elif GS_AVX2
 #define GS_LEVEL_NAME "avx2"

@@ -33,6 +33,11 @@
 
 #include "level.h"
 
+#if GS_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #define GS_HAVE_BF16 (GS_AVX512 || GS_AVX2)
 
 namespace {
@@ -54,7 +59,7 @@ void check_packed(const at::Tensor& p, int64_t n, int64_t k) {
               "linear_cpu: packed weight of shape ", p.sizes(), " does not hold a [", n, ", ", k, "] weight");
 }
 
-#if GS_AVX512
+#if GS_AVX512 && !GS_AMX
 
 // y[m, b*16 .. b*16 + 15] for M rows and NB consecutive blocks b0 .. b0 + NB - 1 (the last may be partial:
 // `valid` outputs of it are stored). x: M rows of kp uint32 (bf16 pairs), row stride ldx; w: the packed weight.
@@ -101,7 +106,111 @@ void tile_any(int rows, int width, const uint32_t* x, int64_t ldx, const uint32_
   }
 }
 
-#endif  // GS_AVX512
+#endif  // GS_AVX512 && !GS_AMX
+
+#if GS_AMX
+
+// amx: the same packed weight is what a tile product wants as its second operand. For a block of 16 outputs,
+// 16 consecutive pairs of k are 16 rows of 64 bytes (the 16 outputs' pairs), contiguous: one tile load with a
+// 64-byte stride. x, in 16-row chunks of 32 bf16 (16 pairs) per row, is the first operand; tdpbf16ps adds
+// their products into 16 x 16 fp32 sums held in a tile. Pairs past the last multiple of 16 (an odd-sized K)
+// go on with vdpbf16ps on the stored sums. Every row runs the same instructions whatever the row count (a
+// chunk is always 16 rows, padded with zeros), so a row's bits do not depend on the other rows or threads.
+
+constexpr int64_t kChunk = 16;  // pairs of k per tile product: one 64-byte tile row of x
+
+// Linux hands out the tile registers' state only on request (arch_prctl, once per process, Linux 5.16+).
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int kGetPerm = 0x1022, kReqPerm = 0x1023, kXtileData = 18;
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
+    if (syscall(SYS_arch_prctl, kGetPerm, &bits) != 0) return false;
+    return (bits & (1ul << kXtileData)) != 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// Tiles 0-3: the sums of up to 4 blocks; 4: 16 rows of x; 5, 6: weights. Every tile 16 rows of 64 bytes.
+inline void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 7; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// y[r .. r + rows) x blocks b0 .. b0 + NB - 1 (the last may be partial). x: a 16-row chunk of kp uint32 pairs
+// per row, row stride ldx (rows past `rows` are zeros); w: the packed weight.
+template <int NB>
+void amx_tile(const uint32_t* __restrict x, int64_t ldx, int rows, const uint32_t* __restrict w, int64_t kp,
+              const float* __restrict bias, at::BFloat16* __restrict y, int64_t ldy, int64_t b0, int64_t n) {
+  const int64_t full = kp / kChunk;
+  const uint32_t* wb = w + b0 * kp * kBlock;
+  const int64_t wstep = kp * kBlock;  // uint32 from one block to the next
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  for (int64_t c = 0; c < full; ++c) {
+    const uint32_t* wc = wb + c * kChunk * kBlock;
+    _tile_loadd(4, x + c * kChunk, ldx * 4);
+    _tile_loadd(5, wc, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NB > 1) {
+      _tile_loadd(6, wc + wstep, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(5, wc + 2 * wstep, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (NB > 3) {
+      _tile_loadd(6, wc + 3 * wstep, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  alignas(64) float sums[NB][16][kBlock];
+  _tile_stored(0, sums[0], 64);
+  if constexpr (NB > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (NB > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (NB > 3) _tile_stored(3, sums[3], 64);
+  for (int j = 0; j < NB; ++j) {
+    const int64_t first = (b0 + j) * kBlock;
+    const int64_t valid = n - first < kBlock ? n - first : kBlock;
+    const __mmask16 mask = valid == kBlock ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    const uint32_t* wj = wb + j * wstep;
+    for (int m = 0; m < rows; ++m) {
+      __m512 acc = _mm512_load_ps(sums[j][m]);
+      for (int64_t k = full * kChunk; k < kp; ++k)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wj + k * kBlock),
+                               (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + k])));
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc, bv));
+      _mm256_mask_storeu_epi16(reinterpret_cast<void*>(y + m * ldy + first), mask, (__m256i)o);
+    }
+  }
+}
+
+void amx_tile_any(int width, const uint32_t* x, int64_t ldx, int rows, const uint32_t* w, int64_t kp,
+                  const float* bias, at::BFloat16* y, int64_t ldy, int64_t b0, int64_t n) {
+  switch (width) {
+    case 1: amx_tile<1>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
+    case 2: amx_tile<2>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
+    case 3: amx_tile<3>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
+    case 4: amx_tile<4>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
+    default: TORCH_CHECK(false, "linear_cpu: internal error, a tile of ", width, " blocks");
+  }
+}
+
+#endif  // GS_AMX
 
 #if GS_AVX2
 
@@ -237,7 +346,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
   constexpr int64_t kGroup = 12;
   const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t step = (rows + chunks - 1) / chunks;
-#if GS_AVX512
+#if GS_AMX
+  TORCH_CHECK(amx_permitted(), "linear_cpu: Linux did not grant this process the AMX tile state (arch_prctl "
+              "ARCH_REQ_XCOMP_PERM; Linux 5.16 or newer); use GRAPHSPEC_CPU=avx512");
+  // x as 16-row chunks of kp pairs (zero rows and a zero column pad it), so every tile load reads 16 rows.
+  const int64_t padded = (rows + 15) / 16 * 16;
+  at::Tensor xp = at::zeros({padded, kp * 2}, x.options());
+  xp.narrow(0, 0, rows).narrow(1, 0, k).copy_(x);
+  const auto* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr());
+  constexpr int64_t width = 4;  // blocks per tile pass: divides kGroup
+  at::parallel_for(0, (nb + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    configure_tiles();  // per thread: the tile configuration is thread state
+    const int64_t b_end = g1 * kGroup < nb ? g1 * kGroup : nb;
+    for (int64_t b = g0 * kGroup; b < b_end; b += width) {
+      const int w = static_cast<int>(b_end - b < width ? b_end - b : width);
+      for (int64_t r = 0; r < rows; r += 16) {
+        const int chunk = static_cast<int>(rows - r < 16 ? rows - r : 16);
+        amx_tile_any(w, xs + r * kp, kp, chunk, ws, kp, bs, ys + r * n, n, b, n);
+      }
+    }
+    _tile_release();
+  });
+#elif GS_AVX512
   at::Tensor xp = x;
   if (k % 2 != 0 || !x.is_contiguous()) {  // pairs of k: pad an odd K with a zero column
     xp = at::zeros({rows, kp * 2}, x.options());
@@ -279,5 +409,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
 
 GS_LIBRARY(m) {
   m.def("level() -> str", [] { return std::string(GS_LEVEL_NAME); });
+#if GS_AMX
+  m.def("amx_permitted() -> bool", [] { return amx_permitted(); });
+#endif
   m.def("linear(Tensor x, Tensor p, int n, Tensor? bias) -> Tensor", &linear);
 }
