@@ -40,27 +40,32 @@ def _deterministic_seed():
 # executes but that does not build fails its tests rather than skipping them: CI's machines have g++ and ninja.
 from graphspec.kernels import cpu as _cpu  # noqa: E402
 
-C_LEVELS = [lv for lv in _cpu.supported_levels() if lv != "torch"]
-BF16_LEVELS = [lv for lv in C_LEVELS if _cpu.bf16_linear(lv)]
+# amx differs from avx512 only in its bf16 linear (its other kernels are avx512's source, its GGUF block GEMMs avx512's
+# binary): it runs the bf16 tests (bf16_level), and tests/kernels/cpu/test_amx.py checks that the rest is avx512's,
+# rather than every per-level test running twice.
+ALL_C_LEVELS = [lv for lv in _cpu.supported_levels() if lv != "torch"]
+C_LEVELS = [lv for lv in ALL_C_LEVELS if lv != "amx"]
+BF16_LEVELS = [lv for lv in ALL_C_LEVELS if _cpu.bf16_linear(lv)]
 
 
 @pytest.fixture(params=C_LEVELS)
 def level(request):
-    """Each C++ level this CPU executes, in force for the test."""
+    """Each C++ level this CPU executes (but amx: its kernels other than the bf16 linear are avx512's), in force
+    for the test."""
     with _cpu.use_level(request.param):
         yield request.param
 
 
 @pytest.fixture(params=BF16_LEVELS)
 def bf16_level(request):
-    """Each level with a bf16 linear (avx512, avx2) this CPU executes, in force for the test."""
+    """Each level with a bf16 linear (amx, avx512, avx2) this CPU executes, in force for the test."""
     with _cpu.use_level(request.param):
         yield request.param
 
 
-@pytest.fixture(params=[*C_LEVELS, "torch"])
+@pytest.fixture(params=[*ALL_C_LEVELS, "torch"])
 def any_level(request):
-    """Each C++ level this CPU executes, then the torch level (no C++), in force for the test."""
+    """Each C++ level this CPU executes (amx included), then the torch level (no C++), in force for the test."""
     with _cpu.use_level(request.param):
         yield request.param
 
@@ -71,7 +76,7 @@ def _cpu_levels_built():
     machine (a fresh cache, as in CI), and a test that gives a subprocess or a server seconds to answer must not
     pay for it. A level that does not build is left to its own tests, which fail and say why."""
     if _TEST_DEVICE == "cpu":
-        for lv in C_LEVELS:
+        for lv in ALL_C_LEVELS:
             try:
                 _cpu.ops(lv)
                 _cpu.qops(lv)

@@ -121,9 +121,14 @@ def _load(name: str) -> None:
     """Build (or reuse) and load level ``name``'s extension once per process; NativeBuildError says why not."""
     _load_extension(name, f"graphspec_cpu_{name}", _SOURCES, f"cpu-{name}",
                     f"graphspec's C++ CPU backend at the {name} level", [])
-    if name == "amx" and not torch.ops.graphspec_cpu_amx.amx_permitted():
+    if name == "amx" and not _tile_state_granted():
         raise NativeBuildError("Linux did not grant this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM "
                                "needs Linux 5.16 or newer)")
+
+
+def _tile_state_granted() -> bool:
+    """Whether Linux gave this process AMX's tile state (the amx extension asks it, once per process)."""
+    return bool(torch.ops.graphspec_cpu_amx.amx_permitted())
 
 
 _failed: dict[tuple[str, str], NativeBuildError] = {}  # (level, cache root) -> why it did not build
