@@ -38,8 +38,8 @@ QUANTIZE_CHOICES = ("auto", "int8", "int4", None, "none")
 
 
 def cpu_has_bf16() -> bool:
-    """True when bf16 weights run at about memory speed here: the CPU backend's level has a bf16 linear (avx512,
-    avx2: graphspec.kernels.cpu), or the CPU has native bf16 dot products (AMX) for oneDNN."""
+    """True when bf16 weights run at about memory speed here: the CPU backend's level has a bf16 linear (amx,
+    avx512, avx2: graphspec.kernels.cpu), or the CPU has native bf16 dot products (AMX) for oneDNN."""
     from graphspec.kernels import cpu
 
     if cpu.bf16_linear():

@@ -24,9 +24,9 @@
   as that many, and products of up to ``INVARIANT_MAX_ROWS`` rows run in blocks of the row counts
   measured to round each row as one row does: so a row comes out bit-identical inside a verify and
   alone (see both), and a prefill inside ``batched_rows()`` runs in one product.
-- bf16 weights on a CPU take graphspec's own C++ kernel where the CPU backend's level has one (avx512,
+- bf16 weights on a CPU take graphspec's own C++ kernel where the CPU backend's level has one (amx, avx512,
   avx2: :class:`NativeWeight`, ``graphspec.kernels.cpu``): it reads the weights at about the memory
-  bandwidth with one thread, costs about the same for 1..8 rows, and gives every row the bits it gets
+  bandwidth with one thread, costs about the same for 1..8 rows (1..16 on AMX tiles), and gives every row the bits it gets
   alone, whatever the row count, with no padding or splitting. ``GRAPHSPEC_CPU=generic`` or ``torch`` (or
   ``layout="onednn"``) keeps oneDNN.
 - GGUF block-format weights (``graphspec.kernels.qlinear.BlockWeight``: Q4_0 ... Q6_K as the file stores them)
@@ -349,7 +349,7 @@ class PackedWeight:
 class NativeWeight:
     """A bf16 ``[N, K]`` weight in the blocked layout of graphspec's C++ CPU kernel (``kernels/cpu/linear.cpp``).
 
-    Made by :func:`prepare_weight` where the CPU backend's level has a bf16 linear (avx512, avx2); ``linear``
+    Made by :func:`prepare_weight` where the CPU backend's level has a bf16 linear (amx, avx512, avx2); ``linear``
     accepts it wherever it accepts a weight, and runs it at the level in force (at a level without that kernel,
     which only a later ``use_level`` can cause, as ``F.linear`` on ``dense()``). ``packed`` is
     ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 (zero padded), the same at every level; the original tensor is not
@@ -413,7 +413,7 @@ def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None, layout: s
     """The layout ``linear`` runs fastest with on ``weight``'s device; call once, at load time.
 
     CPU, torch path: bf16 weights become a :class:`NativeWeight` where graphspec's C++ kernel runs (the CPU
-    backend's avx512 or avx2 level; ``graphspec.kernels.cpu``), else, like fp32 weights, a :class:`PackedWeight`
+    backend's amx, avx512 or avx2 level; ``graphspec.kernels.cpu``), else, like fp32 weights, a :class:`PackedWeight`
     (oneDNN available; bf16 only with hardware bf16). Everywhere else (CUDA, the Triton backend, fp16 on CPU):
     ``weight`` itself, unchanged. ``layout`` ("auto", "native", "onednn") picks one of the two CPU layouts;
     "native" is an error where that kernel cannot run. ``rows_hint`` (oneDNN only) is the number of rows ``x``
@@ -435,7 +435,7 @@ def prepare_weight(weight: torch.Tensor, rows_hint: int | None = None, layout: s
             return NativeWeight(NativeWeight.pack(weight), weight.shape)
         if layout == "native":
             raise ValueError(f"layout='native' needs a bf16 weight (got {weight.dtype}) at a CPU level with a bf16 "
-                             f"linear (avx512 or avx2; this one is {cpu.level()}); use layout='auto' or 'onednn'")
+                             f"linear (amx, avx512 or avx2; this one is {cpu.level()}); use layout='auto' or 'onednn'")
     if not _can_pack(weight):
         return weight
     if rows_hint is None:

@@ -1,15 +1,16 @@
 """graphspec's CPU backend: C++ kernels per instruction-set level, behind one entry point and one switch.
 
-- Levels, best first (``LEVELS``): ``avx512`` (AVX-512 F/BW/VL/DQ + BF16 + VNNI), ``avx2`` (AVX2 + FMA +
+- Levels, best first (``LEVELS``): ``amx`` (avx512 + AMX tiles for bf16), ``avx512`` (AVX-512 F/BW/VL/DQ + BF16 +
+  VNNI), ``avx2`` (AVX2 + FMA +
   F16C), ``generic`` (plain C++ for any CPU) and ``torch`` (no C++: every op's torch path). Each C++ level
   is one extension, built on first use from this folder's files with that level's -m flags (``_build``;
   about a minute on 2 cores, once per machine and level, cached) and registering its ops under
   ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
   run every level the machine can execute, not only its best.
-- What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at avx512 and avx2; decode/verify
+- What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at amx (tile products), avx512 and avx2; decode/verify
   attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
-  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at avx512 only; the GGUF block GEMMs
-  (``qgemm.cpp``, an extension of its own per level: ``qops``) at every C++ level. At the torch level
+  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF block
+  GEMMs (``qgemm.cpp``, an extension of its own per level: ``qops``; amx loads avx512's) at every C++ level. At the torch level
   the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
 - The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
   builds; a failed build warns once, saying why, and the next level down is used) or a level's name (that

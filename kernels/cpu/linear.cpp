@@ -1,23 +1,26 @@
 // bf16 linear layers on the CPU: graphspec.kernels.linear's own CPU kernel (graphspec.kernels.cpu), at the
-// avx512 level (vdpbf16ps) and the avx2 level (bf16 widened to fp32 in registers, FMA).
+// amx level (AMX tile products, tdpbf16ps), the avx512 level (vdpbf16ps) and the avx2 level (bf16 widened to
+// fp32 in registers, FMA).
 //
 // Why: a decode step reads every weight once, so its GEMMs should run at the memory bandwidth, and torch's
 // bf16 products do not on one core of the project's machines (oneDNN's on AVX-512, and without native bf16 it
 // emulates). This file's loop reads the weight once, as one stream per 16 outputs, and multiplies it with
 // several rows of x held in registers.
 //
-// Layout (both levels; made by kernels.linear.NativeWeight.pack): a [N, K] weight becomes [ceil(N / 16), ceil(K / 2), 16, 2] bf16 (zero padded): for
+// Layout (every level; made by kernels.linear.NativeWeight.pack): a [N, K] weight becomes [ceil(N / 16), ceil(K / 2), 16, 2] bf16 (zero padded): for
 // each block of 16 outputs and each pair of inputs k, k + 1, the 16 outputs' two weights side by side. avx512:
-// what vdpbf16ps multiplies with a broadcast pair (x[m, k], x[m, k + 1]). avx2: 8 outputs' pairs per ymm, whose
+// what vdpbf16ps multiplies with a broadcast pair (x[m, k], x[m, k + 1]); amx: 16 pairs of it are one tile of
+// tdpbf16ps's second operand. avx2: 8 outputs' pairs per ymm, whose
 // even halves shifted left by 16 and odd halves masked are the fp32 weights of k and k + 1.
 //
 // Numerics: each output is one fp32 sum over k in a fixed order, plus the bias, rounded to bf16 to nearest
 // even. avx512: pairs k, k + 1 in turn, each pair's two products added as vdpbf16ps does (denormals flushed,
 // as in oneDNN's bf16 kernels). avx2: fma(w[k], x[k], acc) for k = 0, 1, 2, ... in turn (a bf16 x bf16 product
 // is exact in fp32, so this is the plain sequential fp32 sum). Nothing in that order depends on the number
-// of rows, on which other rows share the product, or on the thread count: a row comes out bit-identical
+// of rows, on which other rows share the product, or on the thread count (amx: tdpbf16ps's sums over 16 pairs at
+// a time, each row of a tile its own, then vdpbf16ps for the pairs past the last 16): a row comes out bit-identical
 // whether it is computed alone (a decode step), in a verify of K + 1 rows, or in a prefill, which keeps greedy
-// speculative output equal to autoregressive output in bf16. The two levels round differently from each other.
+// speculative output equal to autoregressive output in bf16. The levels round differently from each other.
 //
 // Threads: torch's intra-op pool (at::parallel_for) over groups of blocks of outputs; each output is written by
 // one thread.
