@@ -4,7 +4,7 @@
     .venv/bin/python perf/cpu_step.py --model smollm2-135m-instruct --quantize int8 --dtypes bf16 --tokens 1 2
 
 For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default, which for
-bf16 at the CPU backend's avx512 and avx2 levels is graphspec's own kernel (kernels/cpu/linear.cpp); "onednn": oneDNN's
+bf16 at the CPU backend's amx, avx512 and avx2 levels is graphspec's own kernel (kernels/cpu/linear.cpp); "onednn": oneDNN's
 packed layout; "plain": the same weights as plain tensors through ``F.linear``) it times ``model.step`` over
 T = 1, 2, 4, 8 new tokens after 256 cached ones and prints the median milliseconds, the ratio
 to the one-token step (the cost of a speculative verify) and the one-token step's achieved
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                          "GEMM, with the int4 GEMM (native-int4: quantize='int4', avx512), the general forward "
                          "(Python, the same GEMMs), or several, each as its own layout int8-<name>")
     ap.add_argument("--level", default="auto",
-                    help="the CPU backend's level to run (graphspec.kernels.cpu: auto, avx512, avx2, generic, torch)")
+                    help="the CPU backend's level to run (graphspec.kernels.cpu: auto, amx, avx512, avx2, generic, torch)")
     ap.add_argument("--min-rows", type=int, nargs="+", default=None, metavar="ROWS",
                     help="also time with products of fewer rows padded to these row counts (kernels.linear.MIN_ROWS; "
                          "1 = unpadded); default: the library's setting only")

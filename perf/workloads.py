@@ -153,7 +153,8 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                "max_new_tokens": args.max_new_tokens, "dtype": args.weights or args.dtype,
                "threads": torch.get_num_threads(),
                "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
-               "cpu_level": machine.get("cpu_level"), "date": machine.get("date"), "commit": machine.get("commit"), "loadavg": machine.get("loadavg")}
+               "cpu_level": machine.get("cpu_level"), "date": machine.get("date"), "commit": machine.get("commit"),
+               "loadavg": machine.get("loadavg")}
         if "hybrid" in r:
             row["hybrid"] = r["hybrid"]
         rows.append(row)
@@ -406,8 +407,8 @@ def main(argv=None) -> int:
     K["suffix_auto"] = args.k_suffix_auto
     machine = machine_info()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    log(f"# {machine.get('cpu_model')} ({machine.get('cpu_flags')}), level {machine.get('cpu_level')}, threads {torch.get_num_threads()}, "
-        f"load {machine.get('loadavg')}")
+    log(f"# {machine.get('cpu_model')} ({machine.get('cpu_flags')}), level {machine.get('cpu_level')}, "
+        f"threads {torch.get_num_threads()}, load {machine.get('loadavg')}")
 
     if args.replay is not None:
         settings = [{"spec_factor": f, "min_prob": p} for f in (0.5, 1.0, 2.0, 4.0, 8.0) for p in (0.05, 0.1, 0.3)]

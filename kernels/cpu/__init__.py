@@ -7,11 +7,11 @@
   about a minute on 2 cores, once per machine and level, cached) and registering its ops under
   ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
   run every level the machine can execute, not only its best.
-- What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at amx (tile products), avx512 and avx2; decode/verify
-  attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
-  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF block
-  GEMMs (``qgemm.cpp``, an extension of its own per level: ``qops``; amx loads avx512's) at every C++ level. At the torch level
-  the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
+- What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at amx (tile products), avx512 and avx2;
+  decode/verify attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
+  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF
+  block GEMMs (``qgemm.cpp``, an extension of its own per level: ``qops``; amx loads avx512's) at every C++
+  level. At the torch level the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
 - The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
   builds; a failed build warns once, saying why, and the next level down is used) or a level's name (that
   level, required: an error where the CPU lacks it or it does not build). ``use_level(name)`` pins one for
