@@ -238,7 +238,7 @@ class Pipeline:
     ``draft_quantize="int8"``: load a model draft (path or zoo name) with int8 GEMM weights, CPU only:
     a draft step then reads half the bytes of bf16 (lossless too: only the target decides the output).
     ``"int4"``: the same, with the draft's one- to three-token steps in 4 bits (``load_model``'s
-    ``quantize="int4"``; the avx512 or avx2 level): cheaper draft steps, lower acceptance. "auto" (the default):
+    ``quantize="int4"``; the amx, avx512 or avx2 level): cheaper draft steps, lower acceptance. "auto" (the default):
     int8 for a draft the pipeline loads on a CPU; None (as loaded) elsewhere and for a loaded draft.
     ``draft_vocab``: prune a model draft's vocabulary to its ``n`` lowest ids (plus special tokens) or to
     given ids (``graphspec.drafters.DraftHead``): a smaller lm_head per draft token; lossless. "auto"
