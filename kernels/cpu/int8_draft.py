@@ -9,7 +9,7 @@ graphspec's int8 GEMM (``int8_gemm.h``).
   torch level the general forward runs instead, on :func:`graphspec.kernels.linear.int8_linear_ref`.
 - The weights are the model's ``Int8Weight``\\ s packed for the level (``Int8Weight.native``), shared with
   their eager ``linear``: no second copy.
-- ``quantize="int4"`` models start on the "int4" GEMM (``int4_gemm.h``, avx512 only): the layers' products
+- ``quantize="int4"`` models start on the "int4" GEMM (``int4_gemm.h``; amx, avx512 and avx2): the layers' products
   of up to 3 rows with the int8 weights rounded again to 4 bits in groups of 64 inputs, packed on the first
   switch (about 0.56x the int8 bytes more); larger ones and the lm_head on the int8 GEMM.
   ``draft_for(model).set_gemm("int8" | "int4")`` switches one model; ``using_gemm`` for a block.
