@@ -78,11 +78,14 @@ ISAS = (("amx", "AMX", ("amx",)), ("avx512", "AVX-512", ("avx512",)), ("avx2", "
 
 def machine_label(r: dict) -> str:
     """``lscpu`` model name and instruction set (one model name covers CPUs of different sets: AMD EPYC Zen 3 and
-    Zen 4), plus the CPU backend level where a run asked for a lower one than the machine's."""
+    Zen 4), plus the CPU backend level where a run asked for a lower one than the machine's. A row that did not
+    record its level on an AMX CPU says so: it predates the amx level, so it did not run what that label now means."""
     for flag, isa, levels in ISAS:
         if flag in r["cpu_flags"]:
             label = f"{r['machine']} ({isa})"
-            return label if not r["cpu_level"] or r["cpu_level"] in levels else f"{label}, {r['cpu_level']} level"
+            if not r["cpu_level"]:
+                return f"{label}, level not recorded" if flag == "amx" else label
+            return label if r["cpu_level"] in levels else f"{label}, {r['cpu_level']} level"
     return r["machine"]
 
 

@@ -108,19 +108,21 @@ def test_the_readme_results_table_tells_cpus_of_one_name_apart(tmp_path):
             dict(base, date="2026-01-06 00:00:00 UTC", machine="Intel Xeon", cpu_flags="avx512f amx_bf16", cpu_level="amx",
                  tokens_per_second="30.0", x_our_ar="2.00"),
             dict(base, date="2026-01-07 00:00:00 UTC", machine="Intel Xeon", cpu_flags="avx512f amx_bf16",
-                 cpu_level="avx512", tokens_per_second="25.0", x_our_ar="1.70")]  # the amx run stays: its own row
+                 cpu_level="avx512", tokens_per_second="25.0", x_our_ar="1.70"),  # the amx run stays: its own row
+            dict(base, date="2025-12-01 00:00:00 UTC", machine="Intel Xeon", cpu_flags="avx512f amx_bf16",
+                 cpu_level="", tokens_per_second="24.0", x_our_ar="1.60", x_transformers="3.0")]  # before levels
     path = tmp_path / "results.csv"
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=RESULTS_COLUMNS)
         w.writeheader()
         w.writerows(rows)
     lines = table(path).splitlines()[2:]
-    assert len(lines) == 6, lines
+    assert len(lines) == 7, lines
     auto = [line for line in lines if "(auto)" in line]
     assert len(auto) == 1 and "int8, chain, K<=5 (auto) | 12.00 | 1.15x" in auto[0]
     cells = {line.split(" | ")[1]: line for line in lines if line not in auto}
     assert set(cells) == {"AMD EPYC (AVX-512)", "AMD EPYC (AVX2)", "AMD EPYC (AVX-512), avx2 level", "Intel Xeon (AMX)",
-                          "Intel Xeon (AMX), avx512 level"}
+                          "Intel Xeon (AMX), avx512 level", "Intel Xeon (AMX), level not recorded"}
     assert "| 30.00 | 2.00x |" in cells["Intel Xeon (AMX)"] and "| 25.00 | 1.70x |" in cells["Intel Xeon (AMX), avx512 level"]
     assert "| 20.00 | 1.20x | 5.00x | - |" in cells["AMD EPYC (AVX-512)"]
     assert "| 11.00 | 1.10x | - | 1.80x |" in cells["AMD EPYC (AVX2)"]
