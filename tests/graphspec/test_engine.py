@@ -101,7 +101,7 @@ def test_run_batch_is_run_for_each_prompt(tiny_dirs):
         pipe.run_batch("one string")
 
 
-def test_step_many_rows_are_the_rows_of_each_step(tiny_dirs, any_level):
+def test_step_many_rows_are_the_rows_of_each_step(tiny_dirs, model_level):
     """``Transformer.step_many``: each request's logits are the bits of its own ``step`` (chains, a tree mask,
     logits_for variants), at every CPU level."""
     from graphspec.kernels.attention import ancestor_mask
@@ -129,7 +129,7 @@ def test_step_many_rows_are_the_rows_of_each_step(tiny_dirs, any_level):
         many = model.step_many([dict(cache=c, **r) for c, r in zip(caches, reqs)])
         assert [c.length for c in caches] == after
         for i, (a, b) in enumerate(zip(alone, many)):
-            assert a.shape == b.shape and torch.equal(a, b), (dtype, any_level, i)
+            assert a.shape == b.shape and torch.equal(a, b), (dtype, model_level, i)
         with pytest.raises(ValueError, match="share one cache"):
             model.step_many([dict(token_ids=reqs[0]["token_ids"], cache=caches[0])] * 2)
 

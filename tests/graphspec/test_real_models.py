@@ -56,7 +56,7 @@ def test_greedy_speculative_equals_autoregressive_on_transformers(dirs, models):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype, any_level):
+def test_int8_and_bf16_drafts_give_the_autoregressive_tokens(dirs, dtype, model_level):
     """An int8 draft (kernels.linear.Int8Weight) proposes other tokens than its bf16/fp32 self, but the
     output is the target's: greedy token-exact in fp32 and, since verify rows round like one-token
     steps, in bf16 too; at every level of the CPU backend this CPU executes (the bf16 target on each
