@@ -2,7 +2,7 @@
 
 Its bf16 linear runs every bf16_level test (tests/kernels/cpu/test_linear_attention.py: against the reference on
 odd shapes, rows bit-identical whatever the row count and threads) and the model tests of every level
-(``any_level``). What is left to check here: that its other kernels are avx512's (the per-level tests do not
+(``model_level``). What is left to check here: that its other kernels are avx512's (the per-level tests do not
 run them twice), that the tile path covers the shapes a model has (K a multiple of 32, and not), and that a
 kernel which refuses the tile state makes the level unusable with a reason, not a crash.
 """
@@ -20,8 +20,8 @@ from tests.kernels._compare import assert_close, attention_inputs
 pytestmark = pytest.mark.skipif("amx" not in cpu.supported_levels(), reason="this CPU has no AMX bf16 tiles")
 
 
-def test_amx_attention_and_int8_gemm_are_avx512s_bits():
-    """The amx binary compiles the same attention and int8 GEMM source as avx512 with the tile flags added, which
+def test_amx_attention_and_int8_int4_gemms_are_avx512s_bits():
+    """The amx binary compiles the same attention and int8 / int4 GEMM source as avx512 with the tile flags added, which
     emit no tile instruction there: the same bits. The GGUF block GEMMs are avx512's very extension."""
     outs = {}
     g = torch.Generator().manual_seed(1)
@@ -35,6 +35,7 @@ def test_amx_attention_and_int8_gemm_are_avx512s_bits():
                 q, k, v = attention_inputs(2, 6, 47, 12, 2, 128, dtype)
                 got += [attention(q, k, v), attention(q, k, v, tree=ancestor_mask([-1, 0, 0, 1, 2, 3], device="cpu"))]
             got.append(qw.native(lv).forward(x))
+            got.append(qw.native(lv).forward4(x[:3]))  # the int4 GEMM (products of up to 3 rows)
             outs[lv] = got
     assert all(torch.equal(a, b) for a, b in zip(outs["amx"], outs["avx512"]))
     assert cpu.qops("amx").level() == "avx512" and cpu.qops("amx") is cpu.qops("avx512")
