@@ -1,9 +1,8 @@
 """graphspec's CPU backend: C++ kernels per instruction-set level, behind one entry point and one switch.
 
 - Levels, best first (``LEVELS``): ``amx`` (avx512 + AMX tiles for bf16), ``avx512`` (AVX-512 F/BW/VL/DQ + BF16 +
-  VNNI), ``avx2`` (AVX2 + FMA +
-  F16C), ``generic`` (plain C++ for any CPU) and ``torch`` (no C++: every op's torch path). Each C++ level
-  is one extension, built on first use from this folder's files with that level's -m flags (``_build``;
+  VNNI), ``avx2`` (AVX2 + FMA + F16C), ``generic`` (plain C++ for any CPU) and ``torch`` (no C++: every op's
+  torch path). Each C++ level is one extension, built on first use from this folder's files with that level's -m flags (``_build``;
   about a minute on 2 cores, once per machine and level, cached) and registering its ops under
   ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
   run every level the machine can execute, not only its best.
@@ -11,7 +10,8 @@
   decode/verify attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
   ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF
   block GEMMs (``qgemm.cpp``, an extension of its own per level: ``qops``; amx loads avx512's) at every C++
-  level. At the torch level the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
+  level. At the torch level the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are
+  correct on every CPU.
 - The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
   builds; a failed build warns once, saying why, and the next level down is used) or a level's name (that
   level, required: an error where the CPU lacks it or it does not build). ``use_level(name)`` pins one for
@@ -258,8 +258,8 @@ def bf16_linear(name: str | None = None) -> bool:
 
 
 def have_int4(name: str | None = None) -> bool:
-    """Whether ``name`` (default: the level in force) has the int4 GEMM of ``quantize="int4"`` drafts: avx512
-    (``vpdpbusd``) and avx2 (``vpmaddubsw``), the same bits."""
+    """Whether ``name`` (default: the level in force) has the int4 GEMM of ``quantize="int4"`` drafts: amx and
+    avx512 (``vpdpbusd``) and avx2 (``vpmaddubsw``), the same bits."""
     return (level() if name is None else name) in ("amx", "avx512", "avx2")
 
 
