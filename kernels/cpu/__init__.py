@@ -2,8 +2,8 @@
 
 - Levels, best first (``LEVELS``): ``amx`` (avx512 + AMX tiles for bf16), ``avx512`` (AVX-512 F/BW/VL/DQ + BF16 +
   VNNI), ``avx2`` (AVX2 + FMA + F16C), ``generic`` (plain C++ for any CPU) and ``torch`` (no C++: every op's
-  torch path). Each C++ level is one extension, built on first use from this folder's files with that level's -m flags (``_build``;
-  about a minute on 2 cores, once per machine and level, cached) and registering its ops under
+  torch path). Each C++ level is one extension, built on first use from this folder's files with that level's
+  -m flags (``_build``; about a minute on 2 cores, once per machine and level, cached) and registering its ops under
   ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
   run every level the machine can execute, not only its best.
 - What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at amx (tile products), avx512 and avx2;
