@@ -326,7 +326,7 @@ void tile_rows(int rows, int nb, const float* x, int64_t ldx, const uint32_t* w,
 
 // y [M, N] = x [M, K] @ W^T (+ bias), bf16 in and out, fp32 sums; `p` from pack().
 at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(supported(), "linear_cpu: the ", GS_LEVEL_NAME, " level has no bf16 linear (avx512 and avx2 do)");
+  TORCH_CHECK(supported(), "linear_cpu: the ", GS_LEVEL_NAME, " level has no bf16 linear (amx, avx512 and avx2 do)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "linear_cpu.linear: x must be a 2-d CPU bf16 tensor [M, K]");
   const int64_t rows = x.size(0), k = x.size(1);
@@ -343,12 +343,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
   const auto* ws = reinterpret_cast<const uint32_t*>(p.data_ptr());
   const float* bs = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* ys = y.data_ptr<at::BFloat16>();
-  // Tasks of 12 blocks (192 outputs). More than kMaxRows rows (a wide verify, a prefill) go in equal chunks (9
-  // as 5 + 4, not 8 + 1: a 1-row chunk leaves the multipliers waiting on one sum), and a tile multiplies every
-  // chunk in turn, so its weights are re-read from cache, not from memory.
+  // Tasks of 12 blocks (192 outputs). avx512 / avx2: more than kMaxRows rows (a wide verify, a prefill) go in
+  // equal chunks (9 as 5 + 4, not 8 + 1: a 1-row chunk leaves the multipliers waiting on one sum), and a tile
+  // multiplies every chunk in turn, so its weights are re-read from cache, not from memory (amx: 16-row chunks).
   constexpr int64_t kGroup = 12;
+#if !GS_AMX
   const int64_t chunks = (rows + kMaxRows - 1) / kMaxRows;
   const int64_t step = (rows + chunks - 1) / chunks;
+#endif
 #if GS_AMX
   TORCH_CHECK(amx_permitted(), "linear_cpu: Linux did not grant this process the AMX tile state (arch_prctl "
               "ARCH_REQ_XCOMP_PERM; Linux 5.16 or newer); use GRAPHSPEC_CPU=avx512");
