@@ -5,7 +5,8 @@ step (``verify -> accept`` without a draft); ``load_model`` loads a checkpoint d
 The stages (``ModelDrafter``, ``NgramDrafter``, ``Verify``, ``GreedyAcceptance``, ``RejectionSampling``,
 and for draft trees ``TreeVerify`` and ``TreeAcceptance``) and ``Graph`` / ``Stage`` are public so that
 a stage can be swapped or added. ``Engine(pipeline)`` runs many generations of a pipeline at once
-(continuous batching; ``graphspec serve`` is built on it).
+(continuous batching; ``graphspec serve`` is built on it). ``PrefixCache`` keeps earlier runs' KV rows
+for prompts that begin the same (``Pipeline(..., prefix_cache=True)``).
 """
 
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance
@@ -13,6 +14,7 @@ from graphspec.drafters import ModelDrafter, NgramDrafter
 from graphspec.engine import Engine
 from graphspec.graph import Graph, Stage
 from graphspec.pipeline import GenerationResult, Pipeline, build_graph
+from graphspec.prefix_cache import PrefixCache
 from graphspec.state import SamplingParams, State
 from graphspec.stats import GenerationStats
 from graphspec.suffix import HybridDrafter, SuffixDrafter, SuffixStore
@@ -21,7 +23,7 @@ from graphspec.verify import TreeVerify, Verify
 __all__ = ["Pipeline", "GenerationResult", "GenerationStats", "SamplingParams", "State", "Graph", "Stage",
            "build_graph", "ModelDrafter", "NgramDrafter", "Verify", "GreedyAcceptance", "RejectionSampling",
            "TreeVerify", "TreeAcceptance", "load_model", "SuffixDrafter", "HybridDrafter", "SuffixStore",
-           "Engine"]
+           "Engine", "PrefixCache"]
 
 
 def __getattr__(name: str):

@@ -222,6 +222,10 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--policy", choices=["auto", "off"], default="auto",
                      help="auto: each greedy request drafts as many tokens as pay at the current batch size "
                           "(costs measured at start-up); off: always K")
+    srv.add_argument("--prefix-cache", type=_nonneg_int, default=0, metavar="MIB",
+                     help="keep up to MIB MiB of earlier requests' KV rows and reuse them for prompts that begin the "
+                          "same (multi-turn chats, agent loops); the target's prefills then run row-exact, so "
+                          "outputs stay those of a cold run; 0: off (default)")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --target)")
     srv.add_argument("--default-max-tokens", type=_positive_int, default=256,
                      help="new tokens of a chat request that names no max_tokens (default 256)")
@@ -822,9 +826,10 @@ def _cmd_serve(args) -> int:
                        "sequence's acceptance); --draft-length is for run: leave it out")
     target, draft, graphspec = _pipelines(args)
     pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=args.k, vocab_mapping=args.vocab_mapping,
-                              **_draft_kw(args))
+                              prefix_cache=args.prefix_cache * 2**20 if args.prefix_cache else False, **_draft_kw(args))
     print(f"serving {args.served_model_name or args.target} on http://{args.host}:{args.port}/v1 "
-          f"(max batch {args.max_batch}, policy {args.policy if pipe.speculative else 'no draft'})",
+          f"(max batch {args.max_batch}, policy {args.policy if pipe.speculative else 'no draft'}"
+          + (f", prefix cache {args.prefix_cache} MiB" if args.prefix_cache else "") + ")",
           file=sys.stderr, flush=True)
     serve(pipe, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           policy=args.policy, model_name=args.served_model_name or args.target,

@@ -38,7 +38,8 @@ import math
 import torch
 
 from graphspec.graph import Stage
-from graphspec.kernels import batched_rows
+from graphspec.kernels import EXACT_ROWS_MAX, batched_rows
+from graphspec.prefix_cache import check_exact_rows
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
 
 __all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "BEAM_STOP_PROBABILITY", "BeamTree", "DraftHead", "ModelDrafter",
@@ -54,16 +55,34 @@ def _empty_draft(state) -> None:
     state.draft_probs = None
 
 
-def prefill(model, cache, tokens: list[int], device) -> None:
+def prefill(model, cache, tokens: list[int], device, exact: bool = False) -> None:
     """Feed ``tokens`` into ``cache`` without computing any logits (no final norm / lm_head).
 
     Batched (``graphspec.kernels.batched_rows``): a prefill's rows are never compared with one-token
-    steps, since the target is prefilled the same way with a draft and without one.
+    steps, since the target is prefilled the same way with a draft and without one. ``exact``: in blocks of
+    ``EXACT_ROWS_MAX`` rows, each row the bits a one-token step computes at its position (on the CPU), so the
+    rows are the same whoever computed them: what a prefix cache needs (``graphspec.prefix_cache``).
     """
-    if tokens:
-        ids = torch.tensor([tokens], dtype=torch.int64, device=device)
-        with batched_rows():
-            model.step(ids, cache, logits_for=torch.empty(0, dtype=torch.int64, device=device))
+    if not tokens:
+        return
+    ids = torch.tensor([tokens], dtype=torch.int64, device=device)
+    none = torch.empty(0, dtype=torch.int64, device=device)
+    if exact:
+        for start in range(0, len(tokens), EXACT_ROWS_MAX):
+            model.step(ids[:, start:start + EXACT_ROWS_MAX], cache, logits_for=none)
+        return
+    with batched_rows():
+        model.step(ids, cache, logits_for=none)
+
+
+def fill_from_store(model, cache, state, target: bool) -> int:
+    """Copy the rows of the longest stored prefix of the committed tokens (all but the pending one) into the empty
+    ``cache`` from the run's prefix cache; returns how many (0: none, no prefix cache, or a sampled run's draft,
+    whose rows must be the cold run's for a seed to keep giving one sample: ``graphspec.prefix_cache``)."""
+    store = state.run.prefix_cache
+    if store is None or not (target or state.params.greedy):
+        return 0
+    return store.fill(model, cache, state.tokens[:-1])
 
 
 # draft_siblings="auto" (graphspec.defaults): a model draft proposes up to this many siblings in the verify
@@ -175,12 +194,30 @@ def draw_siblings(chain: list[int], dists: list[torch.Tensor], slots: list[tuple
 def start_cache(model, state):
     """A fresh KV cache for this run holding every committed token but the pending last one.
 
-    Returns ``(cache, forwards)``: 1 if a prefill forward ran, 0 for a one-token prompt.
+    Returns ``(cache, forwards)``: 1 if a prefill forward ran, 0 for a one-token prompt (or one the run's
+    prefix cache held whole). With a prefix cache, the rows of the longest stored prefix are copied in first,
+    and the target's prefill is row-exact (``prefill(exact=True)``), hit or miss.
     """
     run = state.run
     cache = model.new_cache(run.capacity, batch_size=1)
-    prefill(model, cache, state.tokens[:-1], run.device)
-    return cache, int(len(state.tokens) > 1)
+    target = model is run.target
+    if target and run.prefix_cache is not None:
+        check_exact_rows(model)
+    want = state.tokens[:-1]
+    reused = fill_from_store(model, cache, state, target)
+    if target:
+        run.extra["prefix_reused"] = reused
+    prefill(model, cache, want[reused:], run.device, exact=target and run.prefix_cache is not None)
+    return cache, int(len(want) > reused)
+
+
+def store_rows(model, cache, state, n: int) -> None:
+    """Hand the first ``n`` rows of ``cache`` (they hold the committed tokens ``0 .. n - 1``) to the run's prefix
+    cache, if it has one and the run ended between steps (``run.extra["settled"]``, set by the pipeline)."""
+    store = state.run.prefix_cache
+    if store is None or cache is None or not state.run.extra.get("settled") or n <= 0:
+        return
+    store.store(model, cache, state.tokens[:n])
 
 
 # draft_vocab="auto" (graphspec.defaults): an int8 draft keeps this many ids (plus specials), any other draft
@@ -467,6 +504,22 @@ class ModelDrafter(Stage):
             # Everything past n - 1 is either the pending token or a rejected draft.
             cache.truncate(min(cache.length, n - 1))
 
+    def end(self, state) -> None:
+        """After a generation: the rows of committed tokens go to the run's prefix cache, if it has one (a beam's
+        cache may hold other nodes past the prompt, so a beam gives the prompt's rows only)."""
+        if state.run.prefix_cache is None:
+            return
+        sc = state.scratch(self)
+        cache = sc.get("cache")
+        if cache is None:
+            return
+        if self.beam:
+            n = min(cache.length, state.run.prompt_len - 1)
+        else:
+            self.drop_uncommitted(state, sc, cache)
+            n = min(cache.length, len(state.tokens) - 1)
+        store_rows(self.model, cache, state, n)
+
     def catch_up(self, state) -> None:
         """Feed the committed tokens (all but the pending one) that this draft's cache lacks as one batched
         prefill: after steps it did not draft, or at its first step when it began with ``fill=False``. A draft
@@ -480,6 +533,8 @@ class ModelDrafter(Stage):
         if cache is None or n - 1 - cache.length < 2:
             return
         self.drop_uncommitted(state, sc, cache)
+        if cache.length == 0:  # first feed of a cache begun empty (a hybrid's model draft): stored rows first
+            fill_from_store(self.model, cache, state, target=False)
         missed = state.tokens[cache.length:n - 1]
         if len(missed) >= 2:
             prefill(self.model, cache, missed, state.run.device)

@@ -193,6 +193,7 @@ class _BatchedModel:
 
     def __init__(self, model, batcher: _Batcher, name: str, priority: int):
         self.model = model
+        self.unwrapped = model  # what a prefix cache keys rows by (graphspec.prefix_cache)
         self.name = name
         self.priority = priority
         self._batcher = batcher

@@ -37,6 +37,7 @@ from graphspec.graph import Graph, Stage
 from graphspec.kernels import EXACT_ROWS_MAX, use_backend
 from graphspec.kernels.sampling import check_seed, seeded_generator
 from graphspec.models.tokenizer import check_message, check_text
+from graphspec.prefix_cache import check_prefix_cache
 from graphspec.state import RunInfo, SamplingParams, State
 from graphspec.stats import GenerationStats
 from graphspec.verify import TreeVerify, Verify
@@ -279,7 +280,7 @@ class Pipeline:
                  draft_confidence_threshold: float | str | None = "auto",
                  draft_quantize: str | None = "auto", draft_vocab="auto", draft_siblings: int | str = "auto",
                  draft_beam: int = 0, target_weights: str | None = None, draft_weights: str | None = None,
-                 draft_length: str = "fixed"):
+                 draft_length: str = "fixed", prefix_cache=False):
         self.num_speculative_tokens = _check_positive_int("num_speculative_tokens", num_speculative_tokens)
         if not (isinstance(draft_length, str) and draft_length in ("fixed", "auto")):
             raise ValueError(f"draft_length must be 'fixed' (K drafts a step) or 'auto' (1..K a step, from this "
@@ -297,6 +298,7 @@ class Pipeline:
         if isinstance(dtype, str) and dtype == "auto":  # the CLI's --dtype auto (graphspec.defaults)
             dtype = _defaults.auto_dtype(device or "cpu")
         self.target = _load(target, "target", dtype, device, backend, weights=target_weights)
+        self.prefix_cache = check_prefix_cache(prefix_cache, self.target)
         self.vocab_mapping = vocab_mapping
         self.draft = None  # the draft model, when there is one
 
@@ -518,6 +520,8 @@ class Pipeline:
         """What this pipeline runs: its stages, K, and each draft setting with why it was chosen."""
         stages = " -> ".join(stage.name for stage in self._graph)
         lines = [f"Pipeline: {stages}, K={self.num_speculative_tokens}"]
+        if self.prefix_cache is not None:
+            lines.append(f"  prefix cache: {self.prefix_cache!r} (the target's prefills row-exact)")
         return "\n".join(lines + ["  " + line for line in self.choices.lines()])
 
     __str__ = describe
@@ -606,7 +610,8 @@ class Pipeline:
         K = self.num_speculative_tokens if self.speculative else 0
         capacity = len(ids) + max_new_tokens
         run = RunInfo(target=target, vocab_size=target.config.vocab_size, device=device,
-                      capacity=capacity, prompt_len=len(ids), num_speculative_tokens=K)
+                      capacity=capacity, prompt_len=len(ids), num_speculative_tokens=K,
+                      prefix_cache=self.prefix_cache)
         state = State(run)
         gen = seeded_generator(params.seed if params.seed is not None else _random_seed(), device)
         state.tokens = list(ids)
@@ -643,8 +648,10 @@ class Pipeline:
             with use_backend(backend):
                 graph.begin(state)
             stats.prefill_seconds = clock() - t0
+            stats.cached_prompt_tokens = run.extra.get("prefix_reused", 0)
             produced = 0
             while produced < max_new_tokens:
+                run.extra["settled"] = False  # a step under way: its caches may hold half of it
                 t0 = clock()
                 remaining = max_new_tokens - produced
                 state.clear(graph.written)
@@ -672,6 +679,7 @@ class Pipeline:
                 produced += len(new)
                 stats.generated_tokens = produced
                 stats.decode_seconds += time.perf_counter() - t0
+                run.extra["settled"] = True  # between steps: the caches hold committed tokens (and rejected rows)
                 yield new
                 if outcome.get("reason") == "eos":
                     return

@@ -132,6 +132,8 @@ class Metrics:
         self.requests = Counter("graphspec_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("graphspec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("graphspec_prompt_tokens_cached", "Prompt tokens of finished requests "
+                                            "whose target KV rows came from the prefix cache", registry=r)
         self.generation_tokens = Counter("graphspec_generation_tokens", "Tokens generated (finished or cancelled)",
                                          registry=r)
         self.proposed = Counter("graphspec_draft_tokens_proposed", "Draft tokens proposed", registry=r)
@@ -175,6 +177,7 @@ class Metrics:
             return
         s = result.stats
         self.prompt_tokens.inc(len(result.prompt_token_ids))
+        self.cached_prompt_tokens.inc(s.cached_prompt_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         self.proposed.inc(s.proposed)
         self.accepted.inc(s.accepted)
@@ -213,7 +216,9 @@ def _stats(seq, result) -> dict:
 
 def _usage(result) -> dict:
     p, c = len(result.prompt_token_ids), len(result.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    # OpenAI's shape: prompt tokens served from the prefix cache (``graphspec serve --prefix-cache``)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": result.stats.cached_prompt_tokens}}
 
 
 def create_app(engine: Engine, model_name: str, default_max_tokens: int = 256):

@@ -93,6 +93,7 @@ class RunInfo:
     capacity: int                     # KV-cache length every stage allocates
     prompt_len: int
     num_speculative_tokens: int
+    prefix_cache: Any = None          # graphspec.prefix_cache.PrefixCache, or None
     target_forwards: int = 0
     draft_forwards: int = 0
     extra: dict = field(default_factory=dict)   # room for stages that need more run constants

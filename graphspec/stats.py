@@ -12,6 +12,8 @@
   counts once per depth however many siblings it had there).
 - ``tree`` (draft trees only): ``{"siblings_proposed", "siblings_accepted"}``; ``proposed`` counts
   every node of the tree, so ``acceptance_rate`` is lower than a chain's for the same path lengths.
+- ``cached_prompt_tokens``: how many of the prompt's tokens the target did not prefill, their KV rows copied
+  from the pipeline's prefix cache (``graphspec.prefix_cache``); 0 without one.
 - Times are wall seconds (``time.perf_counter``): ``prefill_seconds`` covers every stage's
   per-generation setup, ``decode_seconds`` the steps, ``stage_seconds`` each stage's share of them.
   ``tokens_per_second`` is generated tokens over prefill + decode seconds;
@@ -31,6 +33,7 @@ __all__ = ["GenerationStats"]
 class GenerationStats:
     num_speculative_tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0     # prompt tokens whose target rows came from the prefix cache
     generated_tokens: int = 0
     steps: int = 0
     proposed: int = 0
@@ -91,7 +94,8 @@ class GenerationStats:
         stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_seconds.items())
         return (f"{self.generated_tokens} tokens in {self.steps} steps; acceptance {self.acceptance_rate:.2f}, "
                 f"{self.mean_accepted_length:.2f} tokens/step; {self.tokens_per_second:.1f} tok/s "
-                f"({self.decode_tokens_per_second:.1f} decode); prefill {self.prefill_seconds * 1e3:.1f} ms; "
+                f"({self.decode_tokens_per_second:.1f} decode); prefill {self.prefill_seconds * 1e3:.1f} ms"
+                + (f" ({self.cached_prompt_tokens} prompt tokens cached)" if self.cached_prompt_tokens else "") + "; "
                 f"forwards target {self.target_forwards} draft {self.draft_forwards}; stages: {stages or '-'}"
                 + (f"; vocab map {self.vocab.get('mode')}, {self.vocab.get('intersection')} shared tokens"
                    if self.vocab else ""))

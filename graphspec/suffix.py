@@ -1032,6 +1032,9 @@ class HybridDrafter(Stage):
 
     def end(self, state) -> None:
         self.suffix.end(state)
+        end = getattr(self.model_drafter, "end", None)  # a model draft's rows go to the prefix cache
+        if end is not None:
+            end(state)
 
     def _settle(self, state) -> None:
         """Right after a model step: cut a same-tokenizer draft's cache to the committed tokens it holds.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from graphspec.drafters import start_cache
+from graphspec.drafters import start_cache, store_rows
 from graphspec.graph import Stage
 from graphspec.kernels.attention import ancestor_mask
 from graphspec.state import tree_children, tree_depths
@@ -36,6 +36,20 @@ class Verify(Stage):
         cache, forwards = start_cache(self.model, state)
         state.run.target_forwards += forwards
         state.scratch(self)["cache"] = cache
+
+    def end(self, state) -> None:
+        """After a generation: the committed tokens' rows go to the run's prefix cache, if it has one."""
+        if state.run.prefix_cache is None:
+            return
+        scratch = state.scratch(self)
+        cache = scratch.get("cache")
+        if cache is None:
+            return
+        self._settle(state, scratch, cache)
+        store_rows(self.model, cache, state, min(cache.length, len(state.tokens) - 1))
+
+    def _settle(self, state, scratch: dict, cache) -> None:
+        """Leave the cache holding committed tokens only (a chain's rejected rows lie past them already)."""
 
     def run(self, state) -> None:
         cache = state.scratch(self)["cache"]
@@ -62,13 +76,12 @@ class TreeVerify(Verify):
 
     reads = Verify.reads + ("draft_parents",)
 
-    def run(self, state) -> None:
-        scratch = state.scratch(self)
-        cache = scratch["cache"]
+    def _settle(self, state, scratch: dict, cache) -> None:
+        """Keep the accepted branch of the last step's tree, if one is still in the cache."""
         tokens = state.tokens
         n = len(tokens)
         last = scratch.pop("tree", None)
-        if last is not None:  # keep the accepted branch of the last step's tree
+        if last is not None:
             base, row_tokens, parents = last
             children = tree_children(parents)
             path, cur = [0], 0
@@ -80,6 +93,13 @@ class TreeVerify(Verify):
                 cur = nxt[0]
                 path.append(cur)
             cache.keep(base, [base + r for r in path])
+
+    def run(self, state) -> None:
+        scratch = state.scratch(self)
+        cache = scratch["cache"]
+        tokens = state.tokens
+        n = len(tokens)
+        self._settle(state, scratch, cache)
         cache.truncate(n - 1)
         draft = state.draft_ids
         k = draft.shape[1]

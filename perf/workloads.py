@@ -66,28 +66,29 @@ def load_workloads(names=None) -> dict[str, list[dict]]:
     return data
 
 
-def make_pipelines(target, draft, methods, ks) -> dict:
+def make_pipelines(target, draft, methods, ks, prefix_cache: bool = False) -> dict:
     import graphspec
 
     out = {}
+    pc = dict(prefix_cache=prefix_cache)  # --prefix-cache: every pipeline, the baseline too
     for m in methods:
         if m == "ar":
-            out[m] = graphspec.Pipeline(target)
+            out[m] = graphspec.Pipeline(target, **pc)
         elif m == "ngram":
-            out[m] = graphspec.Pipeline(target, draft="ngram", num_speculative_tokens=ks[m])
+            out[m] = graphspec.Pipeline(target, **pc, draft="ngram", num_speculative_tokens=ks[m])
         elif m == "suffix":
-            out[m] = graphspec.Pipeline(target, draft="suffix", num_speculative_tokens=ks[m])
+            out[m] = graphspec.Pipeline(target, **pc, draft="suffix", num_speculative_tokens=ks[m])
         elif m == "suffix_auto":
-            out[m] = graphspec.Pipeline(target, draft="suffix", num_speculative_tokens=ks[m], draft_length="auto")
+            out[m] = graphspec.Pipeline(target, **pc, draft="suffix", num_speculative_tokens=ks[m], draft_length="auto")
         elif m == "model":
-            out[m] = graphspec.Pipeline(target, draft=draft, num_speculative_tokens=ks[m], draft_siblings="auto",
+            out[m] = graphspec.Pipeline(target, **pc, draft=draft, num_speculative_tokens=ks[m], draft_siblings="auto",
                                         draft_vocab="auto")
         elif m == "hybrid":
-            out[m] = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=ks[m],
+            out[m] = graphspec.Pipeline(target, **pc, draft=[draft, "suffix"], num_speculative_tokens=ks[m],
                                         draft_vocab="auto")
             out[m].graph["draft"].model_k = ks["model"]
         elif m == "hybrid_auto":
-            out[m] = graphspec.Pipeline(target, draft=[draft, "suffix"], num_speculative_tokens=ks[m],
+            out[m] = graphspec.Pipeline(target, **pc, draft=[draft, "suffix"], num_speculative_tokens=ks[m],
                                         draft_vocab="auto", draft_length="auto")
             out[m].graph["draft"].model_k = ks["model"]
         else:
@@ -98,7 +99,7 @@ def make_pipelines(target, draft, methods, ks) -> dict:
 def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> dict:
     names = list(pipes)
     runs = {n: {"tokens": 0, "steps": 0, "seconds": 0.0, "decode_seconds": 0.0, "proposed": 0, "accepted": 0,
-                "draft_forwards": 0, "differ": 0} for n in names}
+                "draft_forwards": 0, "differ": 0, "cached_prompt_tokens": 0, "prompt_tokens": 0} for n in names}
     outputs = []
     for i, ids in enumerate(prompts):
         order = names[i % len(names):] + names[:i % len(names)]
@@ -116,6 +117,8 @@ def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> di
             r["proposed"] += out.stats.proposed
             r["accepted"] += out.stats.accepted
             r["draft_forwards"] += out.stats.draft_forwards
+            r["cached_prompt_tokens"] += out.stats.cached_prompt_tokens
+            r["prompt_tokens"] += out.stats.prompt_tokens
         ref = got.get("ar")
         for n in names:
             if ref is not None and got[n] != ref:
@@ -151,6 +154,9 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                "acceptance": r["accepted"] / r["proposed"] if r["proposed"] else 0.0,
                "draft_forwards": r["draft_forwards"], "prompts_differing_from_ar": r["differ"],
                "max_new_tokens": args.max_new_tokens, "dtype": args.weights or args.dtype,
+               # Pipeline(prefix_cache=True) for every method, the autoregressive baseline included
+               "prefix_cache": bool(args.prefix_cache), "prompt_tokens": r["prompt_tokens"],
+               "cached_prompt_tokens": r["cached_prompt_tokens"],
                "threads": torch.get_num_threads(),
                "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
                "cpu_level": machine.get("cpu_level"), "date": machine.get("date"), "commit": machine.get("commit"),
@@ -399,6 +405,8 @@ def main(argv=None) -> int:
     ap.add_argument("--positions", type=Path, default=None,
                     help="--replay-hybrid: read the drafted positions from this JSON file if it exists, else write "
                          "them there (the model draft's part takes minutes; the rules' replay takes seconds)")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="every method's pipeline (autoregressive too) keeps a prefix cache across its requests")
     ap.add_argument("--no-results", action="store_true", help="do not append to perf/workloads.jsonl")
     args = ap.parse_args(argv)
     if args.threads:
@@ -472,7 +480,7 @@ def main(argv=None) -> int:
     draft = load_model(DRAFT, dtype=dtype, quantize="int8") if needs_draft else None
     workloads = load_workloads(args.workloads)
     saved = {"target": TARGET, "max_new_tokens": args.max_new_tokens, "workloads": {}}
-    pipes0 = make_pipelines(target, draft, args.methods, K)
+    pipes0 = make_pipelines(target, draft, args.methods, K, args.prefix_cache)
     for name, p in pipes0.items():  # warm-up: first-call allocations and oneDNN primitives, kept out of the figures
         t0 = time.perf_counter()
         p.run([1, 2, 3, 4], max_new_tokens=4, ignore_eos=True)
@@ -489,7 +497,7 @@ def main(argv=None) -> int:
     for name, items in workloads.items():
         prompts = encode_prompts(target.tokenizer, items)
         log(f"## {name}: {len(prompts)} requests, prompts {[len(p) for p in prompts]} tokens")
-        pipes = make_pipelines(target, draft, args.methods, K)  # a fresh store per workload
+        pipes = make_pipelines(target, draft, args.methods, K, args.prefix_cache)  # fresh stores per workload
         res = run_workload(pipes, prompts, args.max_new_tokens, log)
         saved["workloads"][name] = res["outputs"]
         rows = report(name, res["runs"], machine, args)

@@ -188,6 +188,40 @@ def test_a_verify_gives_each_row_the_bits_of_a_decode_step(files, lvl, weights):
     assert torch.equal(verify, steps)
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("lvl", C_LEVELS)
+def test_a_row_exact_prefill_gives_the_one_token_steps_rows_and_a_prefix_hit_the_cold_run(files, lvl, weights):
+    """What ``Pipeline(prefix_cache=...)`` rests on (graphspec.prefix_cache), for block weights."""
+    from graphspec.drafters import prefill
+
+    path, _ = files["qwen2"]
+    ids = [(5 * i + 1) % 40 for i in range(90)]  # blocks of 64 and 26 rows
+    with cpu.use_level(lvl):
+        model = load_model(path, weights=weights)
+        exact, steps = model.new_cache(96), model.new_cache(96)
+        prefill(model, exact, ids, "cpu", exact=True)
+        for t in ids:
+            model.step(torch.tensor([[t]]), steps)
+        assert all(torch.equal(a[:, :90], b[:, :90]) for a, b in zip(exact.k + exact.v, steps.k + steps.v))
+        warm = graphspec.Pipeline(model, draft="ngram", num_speculative_tokens=3, prefix_cache=True)
+        first = warm.run(ids[:50], max_new_tokens=10, ignore_eos=True)
+        prompt = ids[:50] + first.token_ids + ids[60:]
+        hot = warm.run(prompt, max_new_tokens=12, ignore_eos=True)
+        assert hot.stats.cached_prompt_tokens == 59
+        cold = graphspec.Pipeline(model, prefix_cache=True).run(prompt, max_new_tokens=12, ignore_eos=True)
+        assert hot.token_ids == cold.token_ids
+
+
+def test_a_prefix_cache_is_refused_where_block_rows_are_not_exact(files):
+    path, _ = files["qwen2"]
+    with cpu.use_level("torch"):
+        with pytest.raises(ValueError, match="torch level"):
+            graphspec.Pipeline(load_model(path, weights="gguf"), prefix_cache=True)
+    pipe = graphspec.Pipeline(load_model(path, weights="gguf"), prefix_cache=True)
+    with cpu.use_level("torch"), pytest.raises(ValueError, match="torch level"):
+        pipe.run([1, 5, 9, 2], max_new_tokens=2)
+
+
 def _generate(pipe, n=24):
     return pipe.run([1, 5, 9, 2, 33, 7], max_new_tokens=n, ignore_eos=True).token_ids
 
