@@ -708,6 +708,7 @@ class _Running:
     stats: object = None          # its GenerationStats, once it has taken a step
     context: int = 0              # committed tokens at its latest step
     synced: int | None = None     # context when its draft was last in step (None: never prefilled)
+    stored: int = 0               # its prompt's draft rows that the prefix cache holds (copied, not prefilled)
     drafted: bool = False         # whether its latest step drafted
     rested: int = 0               # plain steps since it last drafted (once it has drafted)
 
@@ -938,8 +939,8 @@ class Engine:
         """Tokens sequence ``r``'s draft must be fed in a prefill before it can draft (see ``_DeferredDraft``)."""
         if not (self._deferred and r.greedy):
             return 0
-        if r.synced is None:
-            return r.context  # never prefilled
+        if r.synced is None:  # never prefilled: the rows a prefix cache holds are copied, the rest prefilled
+            return r.context - r.stored
         behind = r.context - r.synced
         return behind if behind >= 2 else 0
 
@@ -974,7 +975,9 @@ class Engine:
         seq, ids, max_new_tokens, params = args[:4]
         self._active.add(seq)
         # known to the policy from now on, so that the first sequence to step plans for those still prefilling
-        self._seqs[seq] = _Running(greedy=params.greedy, max_new=max_new_tokens, context=len(ids))
+        store, draft = self.pipeline.prefix_cache, self.pipeline.draft
+        stored = store.match(draft, ids[:-1]) if store is not None and draft is not None and params.greedy else 0
+        self._seqs[seq] = _Running(greedy=params.greedy, max_new=max_new_tokens, context=len(ids), stored=stored)
         t = threading.Thread(target=self._work, args=args, name=f"graphspec-{seq.request_id}", daemon=True)
         self._threads.add(t)
         self._batcher.join_for(t)

@@ -272,6 +272,11 @@ class Pipeline:
     weighs each tree's verify time against a model step's).
     Same tokens, other stats; sampled runs draft K as before (a seed keeps giving one sample). "fixed" (the
     default): K.
+    ``prefix_cache``: True (a ``graphspec.PrefixCache`` of 1 GiB), a budget in bytes, or a ``PrefixCache`` to share
+    between pipelines: each finished run's KV rows are kept, and a later run whose prompt begins with the same
+    tokens copies them and prefills only the rest (chats, agent loops; CPU targets). The target's prefills then run
+    row-exact, so a hit gives the cold run's output bit for bit (``graphspec.prefix_cache``). False (the default):
+    none, prefills batched.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,

@@ -106,6 +106,15 @@ class PrefixCache:
         diff = (a[:m] != b[:m]).nonzero()
         return int(diff[0, 0]) if diff.numel() else m
 
+    def match(self, model, tokens: list[int]) -> int:
+        """How many leading ``tokens`` a ``fill`` would copy for ``model`` now (counts neither hit nor miss)."""
+        if not tokens:
+            return 0
+        owner = _unwrapped(model)
+        want = torch.tensor(tokens, dtype=torch.int64)
+        with self._lock:
+            return max((self._common(e.tokens, want) for e in self._entries if e.model() is owner), default=0)
+
     def fill(self, model, cache, tokens: list[int]) -> int:
         """Copy the rows of the longest stored prefix of ``tokens`` into the empty ``cache`` of ``model``.
 

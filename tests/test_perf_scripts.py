@@ -116,3 +116,24 @@ def test_llamacpp_speculative_reruns_without_repacking_after_a_crash(tmp_path, c
                                  repack=False)
         assert r["repack"] is False and "--no-repack" in r["command_flags"]
         assert capsys.readouterr().err == ""
+
+
+def test_prefix_cache_bench_compares_like_with_like(tmp_path):
+    """perf/prefix_cache.py's two parts on a tiny model: both prefills timed, and a loop whose cached pipeline
+    served prompt tokens from its cache and gave the cold pipeline's tokens."""
+    import torch
+
+    import graphspec
+    from perf import prefix_cache as bench
+    from tests.checkpoints import make_checkpoint
+
+    model = graphspec.load_model(make_checkpoint(tmp_path / "m", "qwen2", hidden_size=64, layers=1, heads=4,
+                                                 kv_heads=2, seed=0), dtype=torch.float32)
+    cost = bench.prefill_cost(model, 100, 1)
+    assert cost["batched_ms_per_token"] > 0 and cost["exact_ms_per_token"] > 0
+    history = [(7 * i) % 300 + 5 for i in range(60)]
+    prompts = [history[:20], history[:40], history]
+    r = bench.loop(model, prompts, 6, lambda msg: None)
+    assert r["outputs_differing"] == 0
+    assert r["cached_tokens"] == [0, 20, 40]
+    assert len(r["cold_call_s"]) == len(r["cached_call_s"]) == 3

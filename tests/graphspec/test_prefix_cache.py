@@ -290,3 +290,24 @@ def test_serve_takes_a_prefix_cache_size(dirs):
     args = _build_parser().parse_args(["serve", "--target", str(dirs[0]), "--prefix-cache", "64"])
     assert args.prefix_cache == 64
     assert _build_parser().parse_args(["serve", "--target", str(dirs[0])]).prefix_cache == 0
+
+
+def test_the_engines_policy_prices_no_catch_up_for_stored_draft_rows(models):
+    """A greedy request's draft copies the rows the prefix cache holds, so the policy counts only the rest."""
+    from graphspec.engine import _Running
+
+    target, draft = models[torch.float32]
+    pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=4, draft_quantize=None, prefix_cache=True)
+    pipe.run(IDS[:80], max_new_tokens=6, ignore_eos=True)  # the draft's rows of the prompt are stored
+    engine = Engine(pipe, max_batch=2, policy="auto")
+    try:
+        assert engine._deferred
+        assert engine._catch_up(_Running(greedy=True, max_new=8, context=100, stored=85)) == 15
+        assert engine._catch_up(_Running(greedy=True, max_new=8, context=100)) == 100
+        seq = engine.submit(IDS[:100], max_new_tokens=300, ignore_eos=True)
+        with engine._lock:
+            running = engine._seqs.get(seq)
+        assert running is not None and running.stored == 80  # IDS[:80]: the first output is not in this prompt
+        seq.cancel()
+    finally:
+        engine.close()
