@@ -23,6 +23,8 @@ and ``draft_probs`` (``[1, k, V_target]`` fp32, or None when the draft carries n
   the cross-vocabulary drafter): each forward after the first feeds the w likeliest nodes of the
   newest level as w rows under a tree mask over the cached nodes, and the K likeliest nodes are
   proposed; the next step keeps the cached nodes of the path the target took (``KVCache.keep``).
+  With a prefix cache (``graphspec.prefix_cache``) a greedy run's draft copies the stored rows of its
+  prompt's longest stored prefix before prefilling the rest, and hands its committed rows back at the end.
 - ``NgramDrafter`` (prompt lookup): proposes the continuation of the most recent earlier
   occurrence of the last n committed tokens, n = max_ngram .. min_ngram. An index from n-gram to
   its latest end position is updated with the new tokens only, so a step costs O(new tokens);
@@ -39,8 +41,8 @@ import torch
 
 from graphspec.graph import Stage
 from graphspec.kernels import EXACT_ROWS_MAX, batched_rows
-from graphspec.prefix_cache import check_exact_rows
 from graphspec.kernels.sampling import exponential_noise, sample, warp_logits
+from graphspec.prefix_cache import check_exact_rows
 
 __all__ = ["AUTO_DRAFT_SIBLINGS", "AUTO_DRAFT_VOCAB", "BEAM_STOP_PROBABILITY", "BeamTree", "DraftHead", "ModelDrafter",
            "NgramDrafter", "SAME_VOCAB_BEAM_STOP_PROBABILITY", "draft_vocab_ids", "draw_siblings", "grow_beam",
@@ -507,7 +509,7 @@ class ModelDrafter(Stage):
     def end(self, state) -> None:
         """After a generation: the rows of committed tokens go to the run's prefix cache, if it has one (a beam's
         cache may hold other nodes past the prompt, so a beam gives the prompt's rows only)."""
-        if state.run.prefix_cache is None:
+        if state.run.prefix_cache is None or not state.run.extra.get("settled"):
             return
         sc = state.scratch(self)
         cache = sc.get("cache")

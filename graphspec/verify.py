@@ -39,7 +39,7 @@ class Verify(Stage):
 
     def end(self, state) -> None:
         """After a generation: the committed tokens' rows go to the run's prefix cache, if it has one."""
-        if state.run.prefix_cache is None:
+        if state.run.prefix_cache is None or not state.run.extra.get("settled"):  # a run that failed mid-step: none
             return
         scratch = state.scratch(self)
         cache = scratch.get("cache")

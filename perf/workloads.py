@@ -2,6 +2,7 @@
 
     .venv/bin/python perf/workloads.py --threads 1                       # every workload, every method
     .venv/bin/python perf/workloads.py --threads 1 --workloads code_edit --max-new-tokens 64
+    .venv/bin/python perf/workloads.py --threads 1 --workloads agentic --prefix-cache --live-history
     .venv/bin/python perf/workloads.py --replay perf/results/workloads-outputs.json   # suffix settings, no model
     .venv/bin/python perf/workloads.py --store-cost                      # store memory and update cost
     .venv/bin/python perf/workloads.py --replay-hybrid perf/results/workloads-outputs.json --threads 1
@@ -15,6 +16,10 @@ tokens); model draft Qwen2.5-Coder-0.5B-Instruct with int8 weights and the libra
 Reported per workload and method: tokens per target forward (generated tokens / verify steps) and
 x our autoregressive (its seconds / the method's, prefill included, and after the prompt only). One
 JSON line per workload and method is appended to perf/workloads.jsonl, with the machine.
+
+``--prefix-cache`` gives every method's pipeline (the baseline's too) a prefix cache (docs/prefix-cache.md);
+``--live-history`` puts the model's own answers into the agent loop's history in place of the workload's fixed
+ones, as a live loop would send them (``live_messages``).
 
 ``--save-outputs`` keeps the autoregressive outputs; ``--replay`` feeds them to a ``SuffixDrafter`` with
 no model at all (greedy acceptance is known from the target's own output: a proposal's accepted length is
@@ -96,19 +101,43 @@ def make_pipelines(target, draft, methods, ks, prefix_cache: bool = False) -> di
     return out
 
 
-def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> dict:
+def live_messages(items: list[dict], answers: list[str]) -> list[dict]:
+    """Request ``len(answers)``'s messages with the assistant turns of the requests before it replaced by what the
+    model answered them (``answers``), as a live agent loop sends its history; fixed turns otherwise. Request i's
+    messages must begin with request i - 1's, then that request's assistant turn."""
+    i = len(answers)
+    if i == 0:
+        return items[0]["messages"]
+    prev, cur = items[i - 1]["messages"], items[i]["messages"]
+    if cur[:len(prev)] != prev or len(cur) <= len(prev) or cur[len(prev)]["role"] != "assistant":
+        raise SystemExit(f"--live-history: request {i + 1} does not carry request {i}'s messages and then its "
+                         f"assistant turn; use it on a workload whose requests each extend the last (agentic)")
+    return live_messages(items, answers[:-1]) + [{"role": "assistant", "content": answers[-1]}] + cur[len(prev) + 1:]
+
+
+def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log, live=None) -> dict:
+    """``live``: ``(tokenizer, items)``: each request's history holds the answers given to the ones before it
+    (``live_messages``), encoded once the previous request has run (every method gives the same answer)."""
     names = list(pipes)
+    answers: list[str] = []
+    if live is not None:
+        tokenizer, items = live
+        prompts = [None] * len(items)
     runs = {n: {"tokens": 0, "steps": 0, "seconds": 0.0, "decode_seconds": 0.0, "proposed": 0, "accepted": 0,
                 "draft_forwards": 0, "differ": 0, "cached_prompt_tokens": 0, "prompt_tokens": 0} for n in names}
     outputs = []
     for i, ids in enumerate(prompts):
+        if live is not None:
+            ids = prompts[i] = encode_prompts(tokenizer, [{"messages": live_messages(items, answers)}])[0]
         order = names[i % len(names):] + names[:i % len(names)]
         got = {}
+        texts = {}
         for n in order:
             t0 = time.perf_counter()
             out = pipes[n].run(ids, max_new_tokens=max_new)
             dt = time.perf_counter() - t0
             got[n] = out.token_ids
+            texts[n] = out.text
             r = runs[n]
             r["tokens"] += len(out.token_ids)
             r["steps"] += out.stats.steps
@@ -124,6 +153,7 @@ def run_workload(pipes: dict, prompts: list[list[int]], max_new: int, log) -> di
             if ref is not None and got[n] != ref:
                 runs[n]["differ"] += 1
         outputs.append({"prompt": ids, "output": ref if ref is not None else got[names[0]]})
+        answers.append(texts.get("ar", texts[names[0]]))
         log(f"    request {i + 1}/{len(prompts)}: {len(got[names[0]])} tokens; " + ", ".join(
             f"{n} {runs[n]['tokens'] / runs[n]['seconds']:.2f} tok/s" for n in names) + " so far")
     for name in ("hybrid", "hybrid_auto"):  # the figures its rule ran with (draft_cost and prefill_cost: measured)
@@ -155,7 +185,8 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                "draft_forwards": r["draft_forwards"], "prompts_differing_from_ar": r["differ"],
                "max_new_tokens": args.max_new_tokens, "dtype": args.weights or args.dtype,
                # Pipeline(prefix_cache=True) for every method, the autoregressive baseline included
-               "prefix_cache": bool(args.prefix_cache), "prompt_tokens": r["prompt_tokens"],
+               "prefix_cache": bool(args.prefix_cache), "live_history": bool(args.live_history),
+               "prompt_tokens": r["prompt_tokens"],
                "cached_prompt_tokens": r["cached_prompt_tokens"],
                "threads": torch.get_num_threads(),
                "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
@@ -407,6 +438,10 @@ def main(argv=None) -> int:
                          "them there (the model draft's part takes minutes; the rules' replay takes seconds)")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="every method's pipeline (autoregressive too) keeps a prefix cache across its requests")
+    ap.add_argument("--live-history", action="store_true",
+                    help="each request's history holds the model's own answers to the requests before it, as a live "
+                         "agent loop's does, instead of the workload's fixed ones (workloads whose requests extend "
+                         "the last: agentic)")
     ap.add_argument("--no-results", action="store_true", help="do not append to perf/workloads.jsonl")
     args = ap.parse_args(argv)
     if args.threads:
@@ -496,9 +531,11 @@ def main(argv=None) -> int:
     all_rows = []
     for name, items in workloads.items():
         prompts = encode_prompts(target.tokenizer, items)
-        log(f"## {name}: {len(prompts)} requests, prompts {[len(p) for p in prompts]} tokens")
+        log(f"## {name}: {len(prompts)} requests, prompts {[len(p) for p in prompts]} tokens"
+            + (" (with the fixed answers; live ones replace them)" if args.live_history else ""))
         pipes = make_pipelines(target, draft, args.methods, K, args.prefix_cache)  # fresh stores per workload
-        res = run_workload(pipes, prompts, args.max_new_tokens, log)
+        res = run_workload(pipes, prompts, args.max_new_tokens, log,
+                           live=(target.tokenizer, items) if args.live_history else None)
         saved["workloads"][name] = res["outputs"]
         rows = report(name, res["runs"], machine, args)
         all_rows.extend(rows)

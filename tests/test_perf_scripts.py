@@ -137,3 +137,21 @@ def test_prefix_cache_bench_compares_like_with_like(tmp_path):
     assert r["outputs_differing"] == 0
     assert r["cached_tokens"] == [0, 20, 40]
     assert len(r["cold_call_s"]) == len(r["cached_call_s"]) == 3
+
+
+def test_a_live_agent_loop_carries_the_models_own_answers():
+    from perf.workloads import live_messages, load_workloads
+
+    items = load_workloads(["agentic"])["agentic"]
+    assert live_messages(items, []) == items[0]["messages"]
+    answers = [f"answer {i}" for i in range(len(items) - 1)]
+    for i in range(1, len(items)):
+        live, fixed = live_messages(items, answers[:i]), items[i]["messages"]
+        assert len(live) == len(fixed) and [m["role"] for m in live] == [m["role"] for m in fixed]
+        # the turn after each earlier request's messages is the model's answer to it; every other turn is fixed
+        theirs = {len(items[j - 1]["messages"]): answers[j - 1] for j in range(1, i + 1)}
+        for pos, (a, b) in enumerate(zip(live, fixed)):
+            assert a == ({"role": "assistant", "content": theirs[pos]} if pos in theirs else b), (i, pos)
+    with pytest.raises(SystemExit, match="live-history"):
+        live_messages([{"messages": [{"role": "user", "content": "a"}]},
+                       {"messages": [{"role": "user", "content": "b"}]}], ["x"])
