@@ -12,7 +12,9 @@
   blocks of up to ``EXACT_ROWS_MAX`` rows (the batcher never packs more rows into one forward) and attention
   runs per sequence. So a greedy request gives token for token what ``Pipeline.run`` gives alone, and a
   seeded sampled request the same sample, whatever else is in the batch. Prefills (``batched_rows``) run one
-  sequence at a time, exactly as ``Pipeline.run`` runs them.
+  sequence at a time, exactly as ``Pipeline.run`` runs them. With a prefix cache (``graphspec.prefix_cache``) the
+  target's prefills are row-exact blocks instead, which may share a forward with other sequences' rows; the
+  sequences share the pipeline's cache, and the policy counts a draft's stored rows as no catch-up.
 - Requests join between forwards and leave when they finish or are cancelled (continuous batching); a
   sequence's caches are freed with its generation. At most ``max_batch`` sequences run; the rest wait in a
   FIFO queue of at most ``max_queue`` (beyond it ``submit`` raises ``QueueFull``).
