@@ -21,18 +21,23 @@ giving one sample. CPU targets only, at a C++ level for GGUF weights (``check_ex
 Memory: entries are compact copies (``[1, length, kv_heads, head_dim]`` per layer, K and V) counted in bytes
 against ``max_bytes``; storing evicts the least recently used entries until the total fits, an entry whose
 tokens are a prefix of the new one's is dropped (the new one serves every prompt it served), and a run whose
-tokens are a prefix of a stored entry's stores nothing. Entries name their model by identity (a weak
-reference): two models never share rows, and a model that is gone frees its entries on the next store.
+tokens are a prefix of a stored entry's stores nothing; an entry over the whole budget is not kept, nor one over
+half the memory the machine has free (with a warning, once: the budget is beyond what it can hold). Entries name
+their model by identity (a weak reference): two models never share rows, and a model that is gone frees its
+entries on the next store.
 Thread-safe: the batched engine's sequences look up and store concurrently.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+from graphspec.models.kv_cache import available_bytes
 
 __all__ = ["PrefixCache", "DEFAULT_PREFIX_CACHE_BYTES", "check_exact_rows", "check_prefix_cache"]
 
@@ -74,6 +79,7 @@ class PrefixCache:
         self.misses = 0
         self.reused_tokens = 0
         self.evictions = 0
+        self._warned_memory = False
 
     @property
     def nbytes(self) -> int:
@@ -161,6 +167,14 @@ class PrefixCache:
         per_token = sum(2 * k.shape[2] * k.shape[3] * k.element_size() for k in cache.k)
         nbytes = per_token * n
         if nbytes > self.max_bytes:  # it alone would not fit: keep what is there
+            return
+        free = available_bytes(cache.device)
+        if free is not None and nbytes > free // 2:  # a budget beyond this machine's memory: keep what is there
+            if not self._warned_memory:
+                self._warned_memory = True
+                warnings.warn(f"prefix cache: not storing {nbytes / 2**20:.0f} MiB of rows with {free / 2**20:.0f} MiB "
+                              f"of memory free; lower its budget (max_bytes={self.max_bytes}) to what this machine "
+                              f"can hold", RuntimeWarning, stacklevel=2)
             return
         ids = torch.tensor(tokens, dtype=torch.int64)
         with self._lock:

@@ -311,3 +311,24 @@ def test_the_engines_policy_prices_no_catch_up_for_stored_draft_rows(models):
         seq.cancel()
     finally:
         engine.close()
+
+
+def test_a_budget_beyond_the_machines_memory_stores_nothing_and_warns_once(models, monkeypatch):
+    import graphspec.prefix_cache as pc
+
+    target, _ = models[torch.float32]
+    cache = target.new_cache(40)
+    prefill(target, cache, IDS[:30], "cpu", exact=True)
+    store = PrefixCache()
+    monkeypatch.setattr(pc, "available_bytes", lambda device: 1000)  # 1000 bytes free
+    with pytest.warns(RuntimeWarning, match="lower its budget"):
+        store.store(target, cache, IDS[:30])
+    assert len(store) == 0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store.store(target, cache, IDS[:20])  # once only
+    monkeypatch.setattr(pc, "available_bytes", lambda device: None)  # unknown: the budget alone decides
+    store.store(target, cache, IDS[:30])
+    assert len(store) == 1
