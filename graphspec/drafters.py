@@ -84,7 +84,7 @@ def fill_from_store(model, cache, state, target: bool) -> int:
     store = state.run.prefix_cache
     if store is None or not (target or state.params.greedy):
         return 0
-    return store.fill(model, cache, state.tokens[:-1])
+    return store.fill(model, cache, state.tokens[:-1], exact=target)
 
 
 # draft_siblings="auto" (graphspec.defaults): a model draft proposes up to this many siblings in the verify
@@ -215,11 +215,12 @@ def start_cache(model, state):
 
 def store_rows(model, cache, state, n: int) -> None:
     """Hand the first ``n`` rows of ``cache`` (they hold the committed tokens ``0 .. n - 1``) to the run's prefix
-    cache, if it has one and the run ended between steps (``run.extra["settled"]``, set by the pipeline)."""
+    cache, if it has one and the run ended between steps (``run.extra["settled"]``, set by the pipeline). The
+    target's rows are marked row-exact; a draft's (batched prefills, tree forwards) are not."""
     store = state.run.prefix_cache
     if store is None or cache is None or not state.run.extra.get("settled") or n <= 0:
         return
-    store.store(model, cache, state.tokens[:n])
+    store.store(model, cache, state.tokens[:n], exact=model is state.run.target)
 
 
 # draft_vocab="auto" (graphspec.defaults): an int8 draft keeps this many ids (plus specials), any other draft

@@ -16,7 +16,9 @@ run with a hit then gives the cold run's tokens and logits bit for bit (greedy: 
 the same sample for a seed). The price is the row-exact prefill (measured per CPU in perf/RESULTS.md).
 The draft's rows do not decide the output, so a greedy run's draft reuses them too; a sampled run's draft
 prefills afresh (batched, as without a cache), since its q enters the sampled draws and a seed must keep
-giving one sample. CPU targets only, at a C++ level for GGUF weights (``check_exact_rows``).
+giving one sample. Entries say whether their rows are row-exact (a target's) and a target takes only those, so a
+model that drafts in one pipeline and is the target of another never takes its draft rows as a target. CPU
+targets only, at a C++ level for GGUF weights (``check_exact_rows``).
 
 Memory: entries are compact copies (``[1, length, kv_heads, head_dim]`` per layer, K and V) counted in bytes
 against ``max_bytes``; storing evicts the least recently used entries until the total fits, an entry whose
@@ -59,6 +61,7 @@ class _Entry:
     v: list[torch.Tensor]
     nbytes: int
     used: int                      # the store's clock at the last hit or store
+    exact: bool                    # rows a row-exact forward wrote (a target's): the only ones a target may take
 
 
 class PrefixCache:
@@ -112,19 +115,22 @@ class PrefixCache:
         diff = (a[:m] != b[:m]).nonzero()
         return int(diff[0, 0]) if diff.numel() else m
 
-    def match(self, model, tokens: list[int]) -> int:
+    def match(self, model, tokens: list[int], exact: bool = False) -> int:
         """How many leading ``tokens`` a ``fill`` would copy for ``model`` now (counts neither hit nor miss)."""
         if not tokens:
             return 0
         owner = _unwrapped(model)
         want = torch.tensor(tokens, dtype=torch.int64)
         with self._lock:
-            return max((self._common(e.tokens, want) for e in self._entries if e.model() is owner), default=0)
+            return max((self._common(e.tokens, want) for e in self._entries
+                        if e.model() is owner and (e.exact or not exact)), default=0)
 
-    def fill(self, model, cache, tokens: list[int]) -> int:
+    def fill(self, model, cache, tokens: list[int], exact: bool = False) -> int:
         """Copy the rows of the longest stored prefix of ``tokens`` into the empty ``cache`` of ``model``.
 
-        Returns how many rows it holds now (0 on a miss); the caller prefills ``tokens`` from there.
+        ``exact``: from row-exact entries only (a target's; a model that drafts in one pipeline and is the target
+        of another stores both kinds). Returns how many rows it holds now (0 on a miss); the caller prefills
+        ``tokens`` from there.
         """
         if cache.length != 0:
             raise ValueError(f"PrefixCache.fill needs an empty cache, got one holding {cache.length} positions")
@@ -135,7 +141,7 @@ class PrefixCache:
         with self._lock:
             best, n = None, 0
             for e in self._entries:
-                if e.model() is not owner:
+                if e.model() is not owner or (exact and not e.exact):
                     continue
                 c = self._common(e.tokens, want)
                 if c > n:
@@ -154,8 +160,9 @@ class PrefixCache:
         cache.advance(n)
         return n
 
-    def store(self, model, cache, tokens: list[int]) -> None:
-        """Keep rows ``0 .. len(tokens) - 1`` of ``model``'s ``cache``, which hold ``tokens``."""
+    def store(self, model, cache, tokens: list[int], exact: bool = False) -> None:
+        """Keep rows ``0 .. len(tokens) - 1`` of ``model``'s ``cache``, which hold ``tokens``; ``exact``: a row-exact
+        forward wrote every one of them (a target's cache with a prefix cache)."""
         n = len(tokens)
         if n == 0:
             return
@@ -186,14 +193,14 @@ class PrefixCache:
                     continue
                 if other is owner:
                     c = self._common(e.tokens, ids)
-                    if c == n:  # a stored entry already holds every one of these rows
+                    if c == n and (e.exact or not exact):  # a stored entry already serves every one of these rows
                         e.used = self._clock
                         return
-                    if c == e.tokens.numel():  # these rows extend it: it serves nothing the new one cannot
+                    if c == e.tokens.numel() and (exact or not e.exact):  # these rows extend it and serve as much
                         continue
                 keep.append(e)
             entry = _Entry(weakref.ref(owner), ids, [k[:, :n].clone() for k in cache.k],
-                           [v[:, :n].clone() for v in cache.v], nbytes, self._clock)
+                           [v[:, :n].clone() for v in cache.v], nbytes, self._clock, exact)
             keep.append(entry)
             total = sum(e.nbytes for e in keep)
             keep.sort(key=lambda e: e.used)

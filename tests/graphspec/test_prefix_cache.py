@@ -332,3 +332,20 @@ def test_a_budget_beyond_the_machines_memory_stores_nothing_and_warns_once(model
     monkeypatch.setattr(pc, "available_bytes", lambda device: None)  # unknown: the budget alone decides
     store.store(target, cache, IDS[:30])
     assert len(store) == 1
+
+
+def test_a_model_that_drafts_elsewhere_never_gives_its_draft_rows_to_its_own_target_runs(models):
+    """A shared cache holds a model's rows from both roles: as a target only its row-exact ones may be used."""
+    target, draft = models[torch.float32]
+    store = PrefixCache()
+    graphspec.Pipeline(target, draft, num_speculative_tokens=4, draft_quantize=None,
+                       prefix_cache=store).run(IDS[:100], max_new_tokens=6, ignore_eos=True)
+    assert store.match(draft, IDS[:110]) == 100 and store.match(draft, IDS[:110], exact=True) == 0
+    as_target = graphspec.Pipeline(draft, prefix_cache=store)
+    out = as_target.run(IDS[:120], max_new_tokens=8, ignore_eos=True)
+    assert out.stats.cached_prompt_tokens == 0  # the draft's batched rows were not taken
+    cold = graphspec.Pipeline(draft, prefix_cache=True).run(IDS[:120], max_new_tokens=8, ignore_eos=True)
+    assert out.token_ids == cold.token_ids
+    assert store.match(draft, IDS[:120], exact=True) == 120  # its own target rows are there now
+    again = as_target.run(IDS[:120] + out.token_ids + [5, 6], max_new_tokens=8, ignore_eos=True)
+    assert again.stats.cached_prompt_tokens == 120 + 8 - 1
