@@ -213,14 +213,18 @@ def start_cache(model, state):
     return cache, int(len(want) > reused)
 
 
+def storing_rows(state) -> bool:
+    """Whether a stage's ``end`` hands its rows to a prefix cache: the run has one and ended between steps
+    (``run.extra["settled"]``, set by the pipeline), not inside a step that failed (then nothing is stored)."""
+    return state.run.prefix_cache is not None and bool(state.run.extra.get("settled"))
+
+
 def store_rows(model, cache, state, n: int) -> None:
     """Hand the first ``n`` rows of ``cache`` (they hold the committed tokens ``0 .. n - 1``) to the run's prefix
-    cache, if it has one and the run ended between steps (``run.extra["settled"]``, set by the pipeline). The
-    target's rows are marked row-exact; a draft's (batched prefills, tree forwards) are not."""
-    store = state.run.prefix_cache
-    if store is None or cache is None or not state.run.extra.get("settled") or n <= 0:
-        return
-    store.store(model, cache, state.tokens[:n], exact=model is state.run.target)
+    cache (``storing_rows`` said yes). The target's rows are marked row-exact; a draft's (batched prefills, tree
+    forwards) are not."""
+    if n > 0:
+        state.run.prefix_cache.store(model, cache, state.tokens[:n], exact=model is state.run.target)
 
 
 # draft_vocab="auto" (graphspec.defaults): an int8 draft keeps this many ids (plus specials), any other draft
@@ -510,7 +514,7 @@ class ModelDrafter(Stage):
     def end(self, state) -> None:
         """After a generation: the rows of committed tokens go to the run's prefix cache, if it has one (a beam's
         cache may hold other nodes past the prompt, so a beam gives the prompt's rows only)."""
-        if state.run.prefix_cache is None or not state.run.extra.get("settled"):
+        if not storing_rows(state):
             return
         sc = state.scratch(self)
         cache = sc.get("cache")

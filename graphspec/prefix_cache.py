@@ -115,15 +115,26 @@ class PrefixCache:
         diff = (a[:m] != b[:m]).nonzero()
         return int(diff[0, 0]) if diff.numel() else m
 
+    def _longest(self, model, tokens: list[int], exact: bool) -> tuple[_Entry | None, int]:
+        """The entry of ``model`` holding the longest prefix of ``tokens`` (row-exact ones only if ``exact``) and
+        that prefix's length; ``(None, 0)`` for none. Under the lock."""
+        owner = _unwrapped(model)
+        want = torch.tensor(tokens, dtype=torch.int64)
+        best, n = None, 0
+        for e in self._entries:
+            if e.model() is not owner or (exact and not e.exact):
+                continue
+            c = self._common(e.tokens, want)
+            if c > n:
+                best, n = e, c
+        return best, n
+
     def match(self, model, tokens: list[int], exact: bool = False) -> int:
         """How many leading ``tokens`` a ``fill`` would copy for ``model`` now (counts neither hit nor miss)."""
         if not tokens:
             return 0
-        owner = _unwrapped(model)
-        want = torch.tensor(tokens, dtype=torch.int64)
         with self._lock:
-            return max((self._common(e.tokens, want) for e in self._entries
-                        if e.model() is owner and (e.exact or not exact)), default=0)
+            return self._longest(model, tokens, exact)[1]
 
     def fill(self, model, cache, tokens: list[int], exact: bool = False) -> int:
         """Copy the rows of the longest stored prefix of ``tokens`` into the empty ``cache`` of ``model``.
@@ -136,16 +147,8 @@ class PrefixCache:
             raise ValueError(f"PrefixCache.fill needs an empty cache, got one holding {cache.length} positions")
         if not tokens:
             return 0
-        owner = _unwrapped(model)
-        want = torch.tensor(tokens, dtype=torch.int64)
         with self._lock:
-            best, n = None, 0
-            for e in self._entries:
-                if e.model() is not owner or (exact and not e.exact):
-                    continue
-                c = self._common(e.tokens, want)
-                if c > n:
-                    best, n = e, c
+            best, n = self._longest(model, tokens, exact)
             if best is None:
                 self.misses += 1
                 return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from graphspec.drafters import start_cache, store_rows
+from graphspec.drafters import start_cache, store_rows, storing_rows
 from graphspec.graph import Stage
 from graphspec.kernels.attention import ancestor_mask
 from graphspec.state import tree_children, tree_depths
@@ -39,7 +39,7 @@ class Verify(Stage):
 
     def end(self, state) -> None:
         """After a generation: the committed tokens' rows go to the run's prefix cache, if it has one."""
-        if state.run.prefix_cache is None or not state.run.extra.get("settled"):  # a run that failed mid-step: none
+        if not storing_rows(state):
             return
         scratch = state.scratch(self)
         cache = scratch.get("cache")

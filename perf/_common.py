@@ -91,6 +91,14 @@ def machine_info() -> dict:
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 
+def machine_fields(machine: dict) -> dict:
+    """The machine columns of a JSON-lines result row (perf/workloads.jsonl, perf/prefix_cache.jsonl), from
+    ``machine_info()``."""
+    return {"cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
+            "cpu_level": machine.get("cpu_level"), "date": machine.get("date"), "commit": machine.get("commit"),
+            "loadavg": machine.get("loadavg")}
+
+
 def _commit() -> str:
     """The checkout's commit, with "-dirty" when graphspec's own code differs from it (what the figures ran)."""
     root = PERF_DIR.parent

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
-from perf._common import PERF_DIR, TARGET, machine_info  # noqa: E402
+from perf._common import PERF_DIR, TARGET, machine_fields, machine_info  # noqa: E402
 from perf.e2e import DTYPES, encode_prompts  # noqa: E402
 
 RESULTS_FILE = PERF_DIR / "prefix_cache.jsonl"
@@ -108,9 +108,7 @@ def main(argv=None) -> int:
     model = (load_model(TARGET, weights=args.weights) if args.weights
              else load_model(TARGET, dtype=DTYPES[args.dtype]))
     base = {"target": TARGET, "dtype": args.weights or args.dtype, "threads": torch.get_num_threads(),
-            "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
-            "cpu_level": machine.get("cpu_level"), "date": machine.get("date"), "commit": machine.get("commit"),
-            "loadavg": machine.get("loadavg")}
+            **machine_fields(machine)}
     rows = [{"part": "prefill", **base, **prefill_cost(model, args.tokens, args.reps)}]
     log(f"prefill of {args.tokens} tokens: batched {rows[0]['batched_ms_per_token']:.2f} ms/token, row-exact "
         f"{rows[0]['exact_ms_per_token']:.2f} ({rows[0]['exact_over_batched']:.2f}x)")

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
-from perf._common import DRAFT, PERF_DIR, TARGET, load_prompts, machine_info  # noqa: E402
+from perf._common import DRAFT, PERF_DIR, TARGET, load_prompts, machine_fields, machine_info  # noqa: E402
 from perf.e2e import DTYPES, encode_prompts  # noqa: E402
 
 WORKLOADS_FILE = PERF_DIR / "workloads.json"
@@ -188,10 +188,7 @@ def report(workload: str, runs: dict, machine: dict, args) -> list[dict]:
                "prefix_cache": bool(args.prefix_cache), "live_history": bool(args.live_history),
                "prompt_tokens": r["prompt_tokens"],
                "cached_prompt_tokens": r["cached_prompt_tokens"],
-               "threads": torch.get_num_threads(),
-               "cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
-               "cpu_level": machine.get("cpu_level"), "date": machine.get("date"), "commit": machine.get("commit"),
-               "loadavg": machine.get("loadavg")}
+               "threads": torch.get_num_threads(), **machine_fields(machine)}
         if "hybrid" in r:
             row["hybrid"] = r["hybrid"]
         rows.append(row)
