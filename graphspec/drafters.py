@@ -62,16 +62,18 @@ def prefill(model, cache, tokens: list[int], device, exact: bool = False) -> Non
 
     Batched (``graphspec.kernels.batched_rows``): a prefill's rows are never compared with one-token
     steps, since the target is prefilled the same way with a draft and without one. ``exact``: in blocks of
-    ``EXACT_ROWS_MAX`` rows, each row the bits a one-token step computes at its position (on the CPU), so the
-    rows are the same whoever computed them: what a prefix cache needs (``graphspec.prefix_cache``).
+    ``model.exact_block_rows()`` rows (``EXACT_ROWS_MAX``, more where the C++ kernels run them all), each row the
+    bits a one-token step computes at its position (on the CPU), so the rows are the same whoever computed them:
+    what a prefix cache needs (``graphspec.prefix_cache``).
     """
     if not tokens:
         return
     ids = torch.tensor([tokens], dtype=torch.int64, device=device)
     none = torch.empty(0, dtype=torch.int64, device=device)
     if exact:
-        for start in range(0, len(tokens), EXACT_ROWS_MAX):
-            model.step(ids[:, start:start + EXACT_ROWS_MAX], cache, logits_for=none)
+        block = model.exact_block_rows() if hasattr(model, "exact_block_rows") else EXACT_ROWS_MAX
+        for start in range(0, len(tokens), block):
+            model.step(ids[:, start:start + block], cache, logits_for=none)
         return
     with batched_rows():
         model.step(ids, cache, logits_for=none)

@@ -3,7 +3,8 @@
 See ``_dispatch`` for how an op picks Triton or torch.
 """
 
-from graphspec.kernels._dispatch import EXACT_ROWS_MAX, batched_rows, use_backend, requested_backend  # noqa: F401
+from graphspec.kernels._dispatch import (EXACT_CHAIN_ROWS_MAX, EXACT_ROWS_MAX, batched_rows, use_backend,  # noqa: F401
+                                        requested_backend)
 from graphspec.kernels.attention import attention, attention_ref  # noqa: F401
 from graphspec.kernels.sampling import warp_logits, warp_logits_ref, sample, sample_ref, exponential_noise  # noqa: F401
 from graphspec.kernels.rejection import rejection_sample, rejection_sample_ref  # noqa: F401

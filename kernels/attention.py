@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from graphspec.kernels import _attention_cpu, cpu
-from graphspec.kernels._dispatch import EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, rows_exact, use_triton
+from graphspec.kernels._dispatch import (EXACT_CHAIN_ROWS_MAX, EXACT_ROWS_MAX, FLOAT_DTYPES, check_tensor, rows_exact,
+                                        use_triton)
 
 __all__ = ["attention", "attention_ref", "ancestor_mask", "check_tree", "tree_mask"]
 
@@ -193,10 +194,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         return attention_ref(q, k, v, scale, tree)  # a draft's tree forward (validated there): rows need not be exact
     if use_triton(q):
         return _attention_triton(q, k, v, scale, tree=tree)
-    if T <= _EXACT_MAX_T and rows_exact():
+    native = q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES and cpu.available()
+    # A row-exact chain past a verify's size (a prefix cache's prefill block) where the C++ loop runs it.
+    long_chain = native and tree is None and T <= EXACT_CHAIN_ROWS_MAX
+    if (T <= _EXACT_MAX_T or long_chain) and rows_exact():
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16 greedy
         # speculative output drifts from autoregressive.
-        if q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES and cpu.available():
+        if native:
             # Decode steps and verify blocks in C++ (graphspec.kernels.cpu): each row over exactly the keys
             # it sees (the cache, then its path through the new ones) by one loop whatever the other rows, so a
             # verify row is bit-identical to the one-token step at its position, without a call per row.
@@ -214,8 +218,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     return attention_ref(q, k, v, scale, tree)
 
 
-# Verify-sized blocks (K + 1 rows, a draft tree; up to EXACT_ROWS_MAX) take the row-by-row CPU path above;
-# longer blocks, and any inside batched_rows() (prefills), keep one batched call.
+# Verify-sized blocks (K + 1 rows, a draft tree; up to EXACT_ROWS_MAX) take the row-by-row CPU path above, and so do
+# chains up to EXACT_CHAIN_ROWS_MAX where the C++ loop runs; longer blocks, and any inside batched_rows() (prefills),
+# keep one batched call.
 _EXACT_MAX_T = EXACT_ROWS_MAX
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what kernels/cpu/attention.cpp reads
 

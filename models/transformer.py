@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 
 from graphspec.kernels import cpu
-from graphspec.kernels._dispatch import use_backend
+from graphspec.kernels._dispatch import EXACT_CHAIN_ROWS_MAX, EXACT_ROWS_MAX, use_backend
 from graphspec.kernels.attention import attention, check_tree, tree_mask
 from graphspec.kernels.cpu import block_model, int8_draft
-from graphspec.kernels.linear import Int8Weight, PackedWeight, linear, prepare_weight, quantize_weight
+from graphspec.kernels.linear import Int8Weight, NativeWeight, PackedWeight, linear, prepare_weight, quantize_weight
 from graphspec.kernels.qlinear import BlockWeight, StackedWeight
 from graphspec.kernels.rmsnorm import rmsnorm
 from graphspec.kernels.rope import rope, rope_inv_freq, rope_tables
@@ -385,6 +385,20 @@ class Transformer:
                 start += n
             o = torch.cat(outs, dim=1)
         return linear(o.reshape(b, t, hq * d), layer.wo, layer.bo)
+
+    def exact_block_rows(self) -> int:
+        """The most tokens one ``step`` of a chain may take with each row the bits a one-token step gives at its
+        position: what a row-exact prefill (``graphspec.drafters.prefill(exact=True)``) feeds at a time.
+
+        ``EXACT_CHAIN_ROWS_MAX`` for a bf16 model whose GEMMs all run graphspec's C++ bf16 linear at the level in
+        force (its attention then runs in C++ too); ``EXACT_ROWS_MAX`` otherwise (oneDNN's products, int8 and GGUF
+        models: exact in verify-sized blocks, ``graphspec.kernels.linear.INVARIANT_MAX_ROWS``)."""
+        if (self.device.type == "cpu" and self.backend != "triton" and self.dtype == torch.bfloat16
+                and not self.quantize and not self.weights and cpu.bf16_linear()
+                and all(isinstance(getattr(layer, n), NativeWeight)
+                        for layer in self.layers for n in ("wqkv", "wo", "w13", "w2"))):
+            return EXACT_CHAIN_ROWS_MAX
+        return EXACT_ROWS_MAX
 
     # Cached forwards of int8 models and of GGUF block-weight models run in C++ where the CPU backend has a C++
     # level (False: the general forward, for comparisons).

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from graphspec.kernels import attention, attention_ref, batched_rows, use_backend
+from graphspec.kernels import EXACT_CHAIN_ROWS_MAX, attention, attention_ref, batched_rows, cpu, use_backend
 from graphspec.kernels.attention import _EXACT_MAX_T, _attention_triton, ancestor_mask
 from tests.kernels._compare import assert_close
 from tests.kernels._compare import attention_inputs as _inputs
@@ -272,7 +272,8 @@ def test_cpu_tree_rows_equal_one_token_steps_bitwise(dtype, cpu_rows):
             full = attention(q, k, v, tree=tree)
             chain = attention(q, k, v, tree=ancestor_mask(range(-1, T - 1), device="cpu"))
             causal = attention(q, k, v)
-            if not torch.equal(chain, causal):
+            # (past _EXACT_MAX_T a chain with tree=None is row-exact in C++ while a tree takes the masked reference)
+            if T <= _EXACT_MAX_T and not torch.equal(chain, causal):
                 mismatches.append(f"{trial}: causal tree != tree=None")
             if T > _EXACT_MAX_T:
                 if not torch.equal(full, attention_ref(q, k, v, tree=tree)):
@@ -500,6 +501,29 @@ def test_cpu_verify_rows_equal_one_token_steps_bitwise(dtype, cpu_rows):
             one = attention(q[:, j:j + 1], k[:, :L - T + 1 + j], v[:, :L - T + 1 + j])
             mismatches += not torch.equal(one, full[:, j:j + 1])
     assert mismatches == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_long_chains_are_row_exact_in_cpp(dtype, any_level):
+    """Where the C++ attention runs (any C++ level), a chain of up to EXACT_CHAIN_ROWS_MAX rows (a prefix cache's
+    row-exact prefill block) gives each row the one-token step's bits; past it, and at the torch level past
+    EXACT_ROWS_MAX, the block is one batched call (the reference)."""
+    g = torch.Generator().manual_seed(5)
+    native = cpu.available()
+    for T, cached, (Hq, Hk, D) in ((65, 3, (6, 2, 64)), (131, 40, (4, 1, 80)), (EXACT_CHAIN_ROWS_MAX, 9, (2, 2, 64)),
+                                    (EXACT_CHAIN_ROWS_MAX + 1, 0, (2, 1, 64))):
+        L = cached + T
+        q = torch.randn(1, T, Hq, D, generator=g).to(dtype)
+        k = torch.randn(1, L, Hk, D, generator=g).to(dtype)
+        v = torch.randn(1, L, Hk, D, generator=g).to(dtype)
+        with use_backend("torch"):
+            full = attention(q, k, v)
+            if not native or T > EXACT_CHAIN_ROWS_MAX:
+                assert torch.equal(full, attention_ref(q, k, v)), (T, any_level)
+                continue
+            bad = [j for j in range(T) if not torch.equal(
+                attention(q[:, j:j + 1], k[:, :cached + j + 1], v[:, :cached + j + 1]), full[:, j:j + 1])]
+        assert not bad, (T, any_level, bad[:5])
 
 
 def test_batched_rows_runs_a_block_as_one_call(monkeypatch):
