@@ -32,12 +32,12 @@ equals autoregressive output in bf16 as in fp32. Longer blocks (prefills) run ba
 compared with single steps, and so does any block inside ``batched_rows()``. 64 is also the widest draft
 tree the Triton attention kernel takes."""
 
-EXACT_CHAIN_ROWS_MAX = 256
+EXACT_CHAIN_ROWS_MAX = 1024
 """Chains (causal blocks, no tree) of up to this many rows are row-exact too where every op of a forward runs in
 graphspec's C++ (the bf16 linear and attention at a CPU level that has them): those kernels compute each row
 in one order whatever the row count. ``Transformer.exact_block_rows`` says whether a model qualifies; a row-exact
-prefill (``graphspec.drafters.prefill(exact=True)``) then runs blocks this long, reading the weights a quarter
-as often as blocks of ``EXACT_ROWS_MAX``."""
+prefill (``graphspec.drafters.prefill(exact=True)``) then runs blocks this long: a prompt's new part is often one
+block, which reads the weights once, as a batched prefill does."""
 
 _exact_rows: contextvars.ContextVar[bool] = contextvars.ContextVar("graphspec_exact_rows", default=True)
 
