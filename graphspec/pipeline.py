@@ -37,7 +37,7 @@ from graphspec.graph import Graph, Stage
 from graphspec.kernels import EXACT_ROWS_MAX, use_backend
 from graphspec.kernels.sampling import check_seed, seeded_generator
 from graphspec.models.tokenizer import check_message, check_text
-from graphspec.prefix_cache import check_prefix_cache
+from graphspec.prefix_cache import check_prefix_cache, free_exact_prefill
 from graphspec.state import RunInfo, SamplingParams, State
 from graphspec.stats import GenerationStats
 from graphspec.verify import TreeVerify, Verify
@@ -275,8 +275,10 @@ class Pipeline:
     ``prefix_cache``: True (a ``graphspec.PrefixCache`` of 1 GiB), a budget in bytes, or a ``PrefixCache`` to share
     between pipelines: each finished run's KV rows are kept, and a later run whose prompt begins with the same
     tokens copies them and prefills only the rest (chats, agent loops; CPU targets). The target's prefills then run
-    row-exact, so a hit gives the cold run's output bit for bit (``graphspec.prefix_cache``). False (the default):
-    none, prefills batched.
+    row-exact, so a hit gives the cold run's output bit for bit (``graphspec.prefix_cache``). "auto" (what
+    ``graphspec serve`` uses): 1 GiB where that row-exact prefill costs what a batched one does (a bf16 target on
+    the C++ linear, a ``gguf-a8`` target; ``graphspec.prefix_cache.free_exact_prefill``), else none. False (the
+    default): none, prefills batched.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 5, *, acceptance=None,
@@ -304,6 +306,7 @@ class Pipeline:
             dtype = _defaults.auto_dtype(device or "cpu")
         self.target = _load(target, "target", dtype, device, backend, weights=target_weights)
         self.prefix_cache = check_prefix_cache(prefix_cache, self.target)
+        self._prefix_cache_auto = isinstance(prefix_cache, str) and prefix_cache == "auto"
         self.vocab_mapping = vocab_mapping
         self.draft = None  # the draft model, when there is one
 
@@ -526,7 +529,10 @@ class Pipeline:
         stages = " -> ".join(stage.name for stage in self._graph)
         lines = [f"Pipeline: {stages}, K={self.num_speculative_tokens}"]
         if self.prefix_cache is not None:
-            lines.append(f"  prefix cache: {self.prefix_cache!r} (the target's prefills row-exact)")
+            why = f"; auto: {free_exact_prefill(self.target)}" if self._prefix_cache_auto else ""
+            lines.append(f"  prefix cache: {self.prefix_cache!r} (the target's prefills row-exact{why})")
+        elif self._prefix_cache_auto:
+            lines.append("  prefix cache: none (auto: this target's row-exact prefill costs more than a batched one)")
         return "\n".join(lines + ["  " + line for line in self.choices.lines()])
 
     __str__ = describe

@@ -213,10 +213,31 @@ class PrefixCache:
             self._entries = keep
 
 
+def free_exact_prefill(target) -> str | None:
+    """Why ``target``'s row-exact prefill costs about what its batched prefill does (so a prefix cache's miss costs
+    nothing), or None: a bf16 target on graphspec's C++ linear (row-exact blocks of ``EXACT_CHAIN_ROWS_MAX`` rows,
+    ``Transformer.exact_block_rows``) and GGUF blocks with int8 activations at a C++ level (their products are
+    row-exact at any row count). Measured by perf/prefix_cache.py (docs/prefix-cache.md)."""
+    from graphspec.kernels import EXACT_ROWS_MAX, cpu
+
+    device = torch.device(getattr(target, "device", "cpu"))
+    if device.type != "cpu" or getattr(target, "backend", None) == "triton":
+        return None
+    rows = getattr(target, "exact_block_rows", None)
+    if rows is not None and rows() > EXACT_ROWS_MAX:
+        return f"bf16 target on the C++ linear: row-exact prefill blocks of {rows()} rows cost what a batched one does"
+    if getattr(target, "weights", None) == "gguf-a8" and cpu.level() != "torch":
+        return "GGUF blocks with int8 activations: their prefill costs the same row-exact or batched"
+    return None
+
+
 def check_prefix_cache(value, target) -> PrefixCache | None:
     """``Pipeline(prefix_cache=...)``: None / False (off), True (a ``PrefixCache`` of the default size), an int
-    (a budget in bytes) or a ``PrefixCache`` (shared). Refused where the target's prefill cannot be row-exact
+    (a budget in bytes), a ``PrefixCache`` (shared), or "auto" (the default size where ``free_exact_prefill``
+    says a miss costs nothing, else off). Refused where the target's prefill cannot be row-exact
     (``check_exact_rows``)."""
+    if isinstance(value, str) and value == "auto":
+        return PrefixCache() if free_exact_prefill(target) else None
     if value is None or value is False:
         return None
     if isinstance(value, PrefixCache):
@@ -229,7 +250,8 @@ def check_prefix_cache(value, target) -> PrefixCache | None:
                              f"{DEFAULT_PREFIX_CACHE_BYTES} bytes; False: no prefix cache)")
         store = PrefixCache(value)
     else:
-        raise ValueError(f"prefix_cache must be False, True, a budget in bytes or a PrefixCache, got {value!r}")
+        raise ValueError(f"prefix_cache must be False, True, 'auto', a budget in bytes or a PrefixCache, got "
+                         f"{value!r}")
     check_exact_rows(target)
     return store
 

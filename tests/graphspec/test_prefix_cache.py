@@ -287,12 +287,30 @@ def test_the_server_reports_cached_prompt_tokens(models):
         assert second.choices[0].message.content == alone.text
 
 
-def test_serve_takes_a_prefix_cache_size(dirs):
-    from graphspec.cli import _build_parser
+def test_serve_takes_a_prefix_cache_size(dirs, capsys):
+    from graphspec.cli import _build_parser, _prefix_cache_setting, main
 
     args = _build_parser().parse_args(["serve", "--target", str(dirs[0]), "--prefix-cache", "64"])
-    assert args.prefix_cache == 64
-    assert _build_parser().parse_args(["serve", "--target", str(dirs[0])]).prefix_cache == 0
+    assert args.prefix_cache == 64 and _prefix_cache_setting(64) == 64 * 2**20
+    assert _build_parser().parse_args(["serve", "--target", str(dirs[0]), "--prefix-cache", "0"]).prefix_cache == 0
+    assert _prefix_cache_setting(0) is False
+    assert _build_parser().parse_args(["serve", "--target", str(dirs[0])]).prefix_cache == "auto"
+    assert _prefix_cache_setting("auto") == "auto"
+    for bad in ("lots", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--target", str(dirs[0]), "--prefix-cache", bad])
+        assert exit_.value.code == 2 and "--prefix-cache: expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_auto_prefix_cache_is_on_where_a_miss_costs_nothing(dirs, model_level):
+    """prefix_cache="auto": a cache for a bf16 target on the C++ linear (row-exact prefill in long blocks), none for
+    fp32 (oneDNN's row-exact blocks cost more) or at the torch level; describe() says which and why."""
+    with cpu.use_level(model_level):
+        bf16 = graphspec.Pipeline(graphspec.load_model(dirs[0], dtype=torch.bfloat16), prefix_cache="auto")
+        fp32 = graphspec.Pipeline(graphspec.load_model(dirs[0], dtype=torch.float32), prefix_cache="auto")
+        assert (bf16.prefix_cache is not None) == cpu.bf16_linear()
+        assert fp32.prefix_cache is None
+        assert "auto:" in bf16.describe() and "prefix cache: none (auto" in fp32.describe()
 
 
 def test_the_engines_policy_prices_no_catch_up_for_stored_draft_rows(models):

@@ -222,6 +222,16 @@ def test_a_prefix_cache_is_refused_where_block_rows_are_not_exact(files):
         pipe.run([1, 5, 9, 2], max_new_tokens=2)
 
 
+def test_auto_prefix_cache_is_on_for_a8_blocks_at_a_cpp_level_only(files):
+    """prefix_cache="auto": on where a row-exact prefill costs what a batched one does (int8 activations' block
+    products at a C++ level), off for fp32 activations and at the torch level."""
+    path, _ = files["qwen2"]
+    assert graphspec.Pipeline(load_model(path, weights="gguf-a8"), prefix_cache="auto").prefix_cache is not None
+    assert graphspec.Pipeline(load_model(path, weights="gguf"), prefix_cache="auto").prefix_cache is None
+    with cpu.use_level("torch"):
+        assert graphspec.Pipeline(load_model(path, weights="gguf-a8"), prefix_cache="auto").prefix_cache is None
+
+
 def _generate(pipe, n=24):
     return pipe.run([1, 5, 9, 2, 33, 7], max_new_tokens=n, ignore_eos=True).token_ids
 
