@@ -298,6 +298,7 @@ def test_cli_serve_binds_localhost_and_stops_on_sigterm(tiny, tmp_path):
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         assert "Traceback" not in err
+        assert "no prefix cache (auto)" in err  # an fp32 target: a row-exact prefill would cost more (auto: off)
     finally:
         if proc.poll() is None:
             proc.kill()
