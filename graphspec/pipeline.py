@@ -532,7 +532,8 @@ class Pipeline:
             why = f"; auto: {free_exact_prefill(self.target)}" if self._prefix_cache_auto else ""
             lines.append(f"  prefix cache: {self.prefix_cache!r} (the target's prefills row-exact{why})")
         elif self._prefix_cache_auto:
-            lines.append("  prefix cache: none (auto: this target's row-exact prefill costs more than a batched one)")
+            lines.append("  prefix cache: none (auto: only where a miss costs nothing, a CPU target in bf16 on the C++ "
+                         "linear or gguf-a8 at a C++ level)")
         return "\n".join(lines + ["  " + line for line in self.choices.lines()])
 
     __str__ = describe
