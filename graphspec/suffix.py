@@ -21,7 +21,9 @@
   counts, and proposes the best-first tree of its most frequent paths: a node's score is the share of
   occurrences that continue with its path (an estimate of its acceptance), nodes below ``min_prob``
   are left out, and at most ``ceil(spec_factor * match length)`` tokens (and ``num_draft``) are
-  proposed. The source (this request or the store) whose tree scores higher is taken. No match: no
+  proposed. The source (this request or the store) with the longer match is taken, and at equal lengths the
+  occurrences of both count in one tree (a replay of saved outputs, perf/RESULTS.md 2026-12-07: as many or
+  more tokens a forward on every workload than taking the tree of the higher total score). No match: no
   proposal (a plain decode step). Greedy runs verify the tree as is. Sampled runs need a q for
   ``TreeAcceptance``'s recursive rejection sampling: each node's children are put in an order drawn
   without replacement from q = their counts, normalised over the proposed children (one-hot for a
@@ -377,37 +379,41 @@ class _Node:
         self.kids: dict[int, _Node] = {}
 
 
-def continuation_tree(text, ends: list[int], stop: int, budget: int, min_prob: float
+def continuation_tree(text, ends: list[int], stop: int, budget: int, min_prob: float, more=()
                       ) -> tuple[list[int], list[int], list[float], list[int]]:
     """The best-first tree of the continuations of the occurrences ending at ``ends`` in ``text``.
 
     Each occurrence continues with ``text[e + 1 : ...]`` up to ``budget`` tokens, ending at a SEP or
-    at ``stop`` (exclusive). Node score: the share of the occurrences with a continuation whose
-    continuation starts with the node's path. Returns ``(tokens, parents, scores, counts)`` of up to
-    ``budget`` nodes with scores >= ``min_prob``, best first (a parent always before its children;
-    parents index the returned nodes, -1 the root); ties go to the shallower node, then to the most
-    recent occurrence.
+    at ``stop`` (exclusive). ``more``: further ``(text, ends, stop)`` sources whose occurrences count in the
+    same trie (a store's, where its match is as long as this request's). Node score: the share of the
+    occurrences with a continuation whose continuation starts with the node's path. Returns ``(tokens, parents,
+    scores, counts)`` of up to ``budget`` nodes with scores >= ``min_prob``, best first (a parent always before its
+    children; parents index the returned nodes, -1 the root); ties go to the shallower node, then to the most
+    recent occurrence (an earlier source's before any later one's).
     """
     root = _Node(-1)
     n = 0
-    for e in ends:
-        a = e + 1
-        b = min(stop, a + budget)
-        if a >= b or text[a] == SEP:
-            continue
-        n += 1
-        node = root
-        for i in range(a, b):
-            t = text[i]
-            if t == SEP:
-                break
-            nxt = node.kids.get(t)
-            if nxt is None:
-                nxt = node.kids[t] = _Node(t)
-            nxt.count += 1
-            if e > nxt.recent:
-                nxt.recent = e
-            node = nxt
+    sources = [(text, ends, stop), *more]
+    for rank, (src, src_ends, src_stop) in enumerate(sources):
+        bonus = (len(sources) - 1 - rank) << 40  # recency: the first source's occurrences rank as the most recent
+        for e in src_ends:
+            a = e + 1
+            b = min(src_stop, a + budget)
+            if a >= b or src[a] == SEP:
+                continue
+            n += 1
+            node = root
+            for i in range(a, b):
+                t = src[i]
+                if t == SEP:
+                    break
+                nxt = node.kids.get(t)
+                if nxt is None:
+                    nxt = node.kids[t] = _Node(t)
+                nxt.count += 1
+                if e + bonus > nxt.recent:
+                    nxt.recent = e + bonus
+                node = nxt
     if n == 0:
         return [], [], [], []
     cand: list[tuple[float, int, int, int, _Node, int]] = []  # (-score, depth, -recent, seq, node, parent idx)
@@ -586,7 +592,7 @@ class SuffixDrafter(Stage):
             for t in state.tokens:
                 m = g.walk(*m, t)
         state.scratch(self).update(local=sam, match=m, automaton=g, proposed_from=None)
-        state.run.extra.setdefault("suffix", {"steps": 0, "proposals": 0, "local": 0, "global": 0,
+        state.run.extra.setdefault("suffix", {"steps": 0, "proposals": 0, "local": 0, "global": 0, "both": 0,
                                               "match_tokens": 0})
 
     def end(self, state) -> None:
@@ -629,31 +635,34 @@ class SuffixDrafter(Stage):
         """``capped``: at most ``ceil(spec_factor x match length)`` nodes; else up to ``k`` (``length`` sizes them)."""
         sc = self._sync(state)
         factor = self.spec_factor if capped else math.inf
-        sam: SuffixAutomaton = sc["local"]
-        best = ([], [], [], [], 0)
-        best_score = 0.0
+        sc["proposed_from"] = None
         if k <= 0:
-            return best
+            return [], [], [], [], 0
+        sam: SuffixAutomaton = sc["local"]
+        options = []  # (match length, name, source): this request's longest earlier match, then the store's
         s = sam.link[sam.last]
         if s > 0 and sam.len[s] >= self.min_match:
-            length = sam.len[s]
-            budget = k if factor == math.inf else min(k, math.ceil(factor * length))
-            ends = sam.occurrences(s, self.max_occurrences + 1)
-            tree = continuation_tree(sam.text, ends, len(sam.text), budget, self.min_prob)
-            if tree[0]:
-                best, best_score = (*tree, length), sum(tree[2])
+            options.append((sam.len[s], "local", (sam.text, sam.occurrences(s, self.max_occurrences + 1),
+                                                  len(sam.text))))
         g: SuffixAutomaton = sc["automaton"]
         gs, glen = sc["match"]
         if gs > 0 and glen >= self.min_match:
-            budget = k if factor == math.inf else min(k, math.ceil(factor * glen))
-            ends = g.occurrences(gs, self.max_occurrences)
-            tree = continuation_tree(g.text, ends, len(g.text), budget, self.min_prob)
-            if tree[0] and sum(tree[2]) > best_score:
-                best = (*tree, glen)
-                sc["proposed_from"] = "global"
-                return best
-        sc["proposed_from"] = "local" if best[0] else None
-        return best
+            options.append((glen, "global", (g.text, g.occurrences(gs, self.max_occurrences), len(g.text))))
+        # The longer match is the more specific context; at equal lengths both sources' occurrences count together.
+        if len(options) == 2 and options[0][0] == options[1][0]:
+            options.insert(0, (options[0][0], "both", None))
+        else:
+            options.sort(key=lambda o: -o[0])  # (stable: this request's first on a tie)
+        for length, name, source in options:
+            budget = k if factor == math.inf else min(k, math.ceil(factor * length))
+            if source is None:
+                tree = continuation_tree(*options[1][2], budget, self.min_prob, more=[options[2][2]])
+            else:
+                tree = continuation_tree(*source, budget, self.min_prob)
+            if tree[0]:
+                sc["proposed_from"] = name
+                return (*tree, length)
+        return [], [], [], [], 0
 
     def propose_sized(self, state, k: int) -> tuple[list[int], list[int], list[float], list[int], int]:
         """As ``propose``, the tree sized by ``length`` (set, greedy runs) after the previous sized tree is settled;

@@ -109,6 +109,62 @@ def test_continuation_tree_counts_and_order_equal_brute_force(text, budget, min_
         assert all(s < min_prob for s in left), (left, min_prob)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2), min_size=2, max_size=40), st.lists(st.integers(0, 2), min_size=2, max_size=40),
+       st.integers(1, 6), st.data())
+def test_continuation_tree_pools_a_second_source_as_more_occurrences(text, other, budget, data):
+    """``more``: the second text's occurrences count in the same trie, each stopping at its own text's end; on a tie
+    the first source's occurrence ranks as the most recent."""
+    ends = sorted(set(data.draw(st.lists(st.integers(0, len(text) - 1), min_size=1, max_size=8))))
+    other_ends = sorted(set(data.draw(st.lists(st.integers(0, len(other) - 1), min_size=1, max_size=8))))
+    toks, parents, scores, counts = continuation_tree(text, ends, len(text), budget, 0.0,
+                                                      more=[(other, other_ends, len(other))])
+    conts = [t[e + 1:e + 1 + budget] for t, es in ((text, ends), (other, other_ends)) for e in es if e + 1 < len(t)]
+    paths = []
+    for i, (t, p) in enumerate(zip(toks, parents)):
+        path = (paths[p] if p >= 0 else []) + [t]
+        paths.append(path)
+        want = sum(1 for c in conts if c[:len(path)] == path)
+        assert counts[i] == want and scores[i] == pytest.approx(want / len(conts))
+    assert scores == sorted(scores, reverse=True)
+    assert len(toks) == min(budget, len({tuple(c[:j]) for c in conts for j in range(1, len(c) + 1)}))
+
+
+def _state_of(drafter, tokens):
+    """A run whose committed tokens are ``tokens`` (no model), begun by ``drafter``."""
+    from graphspec.state import RunInfo, State
+
+    run = RunInfo(target=None, vocab_size=64, device=torch.device("cpu"), capacity=len(tokens) + 8,
+                  prompt_len=len(tokens), num_speculative_tokens=4)
+    state = State(run)
+    state.tokens = list(tokens)
+    state.params = SamplingParams()
+    drafter.begin(state)
+    return state
+
+
+def _proposal(drafter, tokens):
+    """``drafter``'s first proposed token and its count for a run of ``tokens``, the match length and the source."""
+    state = _state_of(drafter, tokens)
+    toks, parents, scores, counts, length = drafter.propose(state, 4)
+    return toks[:1], counts[:1], length, state.scratch(drafter)["proposed_from"]
+
+
+def test_the_longer_match_of_request_and_store_drafts_and_equal_ones_pool():
+    store = SuffixStore()
+    store.add([7, 1, 2, 5])
+    store.add([8, 0, 1, 2, 4])
+    drafter = SuffixDrafter(store, learn=False)
+    # this request's [3, 1, 2] (then 6) against the store's [1, 2]
+    assert _proposal(drafter, [3, 1, 2, 6, 0, 3, 1, 2]) == ([6], [1], 3, "local")
+    # the store's [0, 1, 2] (then 4) against this request's [1, 2]
+    assert _proposal(drafter, [9, 1, 2, 6, 0, 1, 2]) == ([4], [1], 3, "global")
+    # [1, 2] in both: one tree over three occurrences; on the tie this request's first, then the latest (6, 4, 5)
+    toks, parents, scores, counts, length = drafter.propose(_state_of(drafter, [9, 1, 2, 6, 3, 1, 2]), 4)
+    assert length == 2 and toks[:3] == [6, 4, 5] and counts[:3] == [1, 1, 1] and scores[0] == pytest.approx(1 / 3)
+    assert drafter.propose(_state_of(drafter, [9, 1, 2, 6, 3, 1, 2]), 4)[:4] == (toks, parents, scores, counts)
+
+
 # ----------------------------------------------------------------------------- greedy, token-exact
 
 REPETITIVE = [1, 2, 3, 1, 2, 3, 1, 2]
