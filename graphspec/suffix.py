@@ -22,8 +22,8 @@
   occurrences that continue with its path (an estimate of its acceptance), nodes below ``min_prob``
   are left out, and at most ``ceil(spec_factor * match length)`` tokens (and ``num_draft``) are
   proposed. The source (this request or the store) with the longer match is taken, and at equal lengths the
-  occurrences of both count in one tree (a replay of saved outputs, perf/RESULTS.md 2026-12-07: as many or
-  more tokens a forward on every workload than taking the tree of the higher total score). No match: no
+  occurrences of both count in one tree (chosen over taking the tree of the higher total score by a replay of
+  saved outputs: perf/RESULTS.md). No match: no
   proposal (a plain decode step). Greedy runs verify the tree as is. Sampled runs need a q for
   ``TreeAcceptance``'s recursive rejection sampling: each node's children are put in an order drawn
   without replacement from q = their counts, normalised over the proposed children (one-hot for a
