@@ -1029,7 +1029,9 @@ class HybridDrafter(Stage):
 
     def catch_up_tokens(self, state) -> int:
         """Committed tokens the model draft must be fed before it drafts (what ``ModelDrafter.catch_up`` prefills;
-        0 where it prefills nothing: fewer than two, a beam, a draft with another tokenizer, a sampled run)."""
+        0 where it prefills nothing: fewer than two, a beam, a draft with another tokenizer, a sampled run). An
+        empty cache first takes the rows a prefix cache holds (``fill_from_store``): those cost a copy, not a
+        prefill."""
         d = self.model_drafter
         if not state.params.greedy or not isinstance(d, ModelDrafter) or d.beam:
             return 0
@@ -1037,6 +1039,9 @@ class HybridDrafter(Stage):
         if cache is None:
             return 0
         behind = len(state.tokens) - 1 - cache.length
+        store = state.run.prefix_cache
+        if cache.length == 0 and store is not None:
+            behind -= store.match(d.model, state.tokens[:-1])
         return behind if behind >= 2 else 0
 
     def end(self, state) -> None:

@@ -146,6 +146,33 @@ def test_a_greedy_runs_draft_reuses_its_rows(models):
     assert store.hits == hits + 2  # target and draft
 
 
+def test_the_hybrid_prices_no_catch_up_for_stored_draft_rows(models):
+    """A hybrid's rule prices its model draft's catch-up prefill; the rows a prefix cache holds are copied instead."""
+    from graphspec.state import RunInfo, SamplingParams, State
+
+    target, draft = models[torch.float32]
+    store = PrefixCache()
+    pipe = graphspec.Pipeline(target, [draft, "suffix"], num_speculative_tokens=4, draft_quantize=None,
+                              prefix_cache=store)
+    hybrid = pipe.graph["draft"]
+    cache = draft.new_cache(100)
+    prefill(draft, cache, IDS[:60], "cpu")
+    store.store(draft, cache, IDS[:60])
+
+    def behind(tokens, prefix_cache):
+        run = RunInfo(target=target, vocab_size=target.vocab_size, device=torch.device("cpu"),
+                      capacity=len(tokens) + 8, prompt_len=len(tokens), num_speculative_tokens=4,
+                      prefix_cache=prefix_cache)
+        state = State(run)
+        state.tokens, state.params, state.generator = list(tokens), SamplingParams(), torch.Generator()
+        hybrid.begin(state)
+        return hybrid.catch_up_tokens(state)
+
+    assert behind(IDS[:90], None) == 89
+    assert behind(IDS[:90], store) == 89 - 60
+    assert behind(IDS[:61], store) == 0  # the stored rows cover all but the pending token
+
+
 def test_batched_engine_with_a_prefix_cache_gives_each_cold_run(models):
     target, draft = models[torch.bfloat16]
     pipe = graphspec.Pipeline(target, draft, num_speculative_tokens=4, draft_siblings=2, draft_quantize=None,
