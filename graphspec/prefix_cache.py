@@ -223,9 +223,9 @@ def free_exact_prefill(target) -> str | None:
     device = torch.device(getattr(target, "device", "cpu"))
     if device.type != "cpu" or getattr(target, "backend", None) == "triton":
         return None
-    rows = getattr(target, "exact_block_rows", None)
-    if rows is not None and rows() > EXACT_ROWS_MAX:
-        return f"bf16 target on the C++ linear: row-exact prefill blocks of {rows()} rows cost what a batched one does"
+    rows = target.exact_block_rows() if hasattr(target, "exact_block_rows") else EXACT_ROWS_MAX
+    if rows > EXACT_ROWS_MAX:
+        return f"bf16 target on the C++ linear: row-exact prefill blocks of {rows} rows cost what a batched one does"
     if getattr(target, "weights", None) == "gguf-a8" and cpu.level() != "torch":
         return "GGUF blocks with int8 activations: their prefill costs the same row-exact or batched"
     return None

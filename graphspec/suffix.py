@@ -639,26 +639,24 @@ class SuffixDrafter(Stage):
         if k <= 0:
             return [], [], [], [], 0
         sam: SuffixAutomaton = sc["local"]
-        options = []  # (match length, name, source): this request's longest earlier match, then the store's
+        # (match length, name, [(text, ends, stop)]): this request's longest earlier match, then the store's
+        options = []
         s = sam.link[sam.last]
         if s > 0 and sam.len[s] >= self.min_match:
-            options.append((sam.len[s], "local", (sam.text, sam.occurrences(s, self.max_occurrences + 1),
-                                                  len(sam.text))))
+            options.append((sam.len[s], "local", [(sam.text, sam.occurrences(s, self.max_occurrences + 1),
+                                                   len(sam.text))]))
         g: SuffixAutomaton = sc["automaton"]
         gs, glen = sc["match"]
         if gs > 0 and glen >= self.min_match:
-            options.append((glen, "global", (g.text, g.occurrences(gs, self.max_occurrences), len(g.text))))
+            options.append((glen, "global", [(g.text, g.occurrences(gs, self.max_occurrences), len(g.text))]))
         # The longer match is the more specific context; at equal lengths both sources' occurrences count together.
         if len(options) == 2 and options[0][0] == options[1][0]:
-            options.insert(0, (options[0][0], "both", None))
+            options.insert(0, (options[0][0], "both", options[0][2] + options[1][2]))
         else:
             options.sort(key=lambda o: -o[0])  # (stable: this request's first on a tie)
-        for length, name, source in options:
+        for length, name, sources in options:
             budget = k if factor == math.inf else min(k, math.ceil(factor * length))
-            if source is None:
-                tree = continuation_tree(*options[1][2], budget, self.min_prob, more=[options[2][2]])
-            else:
-                tree = continuation_tree(*source, budget, self.min_prob)
+            tree = continuation_tree(*sources[0], budget, self.min_prob, more=sources[1:])
             if tree[0]:
                 sc["proposed_from"] = name
                 return (*tree, length)

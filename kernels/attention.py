@@ -214,9 +214,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
             # A long chain in pieces of _EXACT_MAX_T rows, each piece's earlier new keys passed as cached ones: every
             # row sees the same keys in the same order (the same bits), and a plan stays O(_EXACT_MAX_T^2).
             base = k.shape[1] - T
-            return torch.cat([cpu.ops().attend(q[:, s:s + n], k[:, :base + s + n], v[:, :base + s + n], scale,
-                                               *_chain_plan(n)) for s in range(0, T, _EXACT_MAX_T)
-                              for n in (min(_EXACT_MAX_T, T - s),)], dim=1)
+            outs = []
+            for s in range(0, T, _EXACT_MAX_T):
+                e = min(s + _EXACT_MAX_T, T)
+                p = _attention_cpu.plan(None, e - s)
+                outs.append(cpu.ops().attend(q[:, s:e], k[:, :base + e], v[:, :base + e], scale, p.lengths, p.nodes))
+            return torch.cat(outs, dim=1)
         if T > 1:
             # Without it: torch's CPU SDPA rounds a row differently depending on how many rows it is given
             # (for a share of bf16 rows), so each row of a verify runs as its own one-row call over exactly
@@ -230,11 +233,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 # chains up to EXACT_CHAIN_ROWS_MAX where the C++ loop runs; longer blocks, and any inside batched_rows() (prefills),
 # keep one batched call.
 _EXACT_MAX_T = EXACT_ROWS_MAX
-
-
-def _chain_plan(n: int) -> tuple[list[int], list[int]]:
-    p = _attention_cpu.plan(None, n)
-    return p.lengths, p.nodes
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what kernels/cpu/attention.cpp reads
 
 

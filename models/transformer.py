@@ -392,11 +392,10 @@ class Transformer:
 
         ``EXACT_CHAIN_ROWS_MAX`` for a bf16 model whose GEMMs all run graphspec's C++ bf16 linear at the level in
         force (its attention then runs in C++ too); ``EXACT_ROWS_MAX`` otherwise (oneDNN's products, int8 and GGUF
-        models: exact in verify-sized blocks, ``graphspec.kernels.linear.INVARIANT_MAX_ROWS``)."""
-        if (self.device.type == "cpu" and self.backend != "triton" and self.dtype == torch.bfloat16
-                and not self.quantize and not self.weights and cpu.bf16_linear()
-                and all(isinstance(getattr(layer, n), NativeWeight)
-                        for layer in self.layers for n in ("wqkv", "wo", "w13", "w2"))):
+        models: exact in verify-sized blocks, ``graphspec.kernels.linear.INVARIANT_MAX_ROWS``). A ``NativeWeight`` is
+        a bf16 CPU weight, never made for a model pinned to Triton, a quantized or a GGUF one."""
+        if cpu.bf16_linear() and all(isinstance(getattr(layer, n), NativeWeight)
+                                     for layer in self.layers for n in ("wqkv", "wo", "w13", "w2")):
             return EXACT_CHAIN_ROWS_MAX
         return EXACT_ROWS_MAX
 
