@@ -121,6 +121,13 @@ void tile_any(int rows, int width, const uint32_t* x, int64_t ldx, const uint32_
 // chunk is always 16 rows, padded with zeros), so a row's bits do not depend on the other rows or threads.
 
 constexpr int64_t kChunk = 16;  // pairs of k per tile product: one 64-byte tile row of x
+// 17 to 256 rows run k in pieces of kPiece chunks: every 16-row chunk multiplies a piece's weight tiles (32 KB for
+// 4 blocks) while they sit in L1, its sums held in memory between pieces (a tile store and load are exact), so
+// the weights come from memory once and from L1 after (the whole of k at a time re-read them from L2 for each
+// chunk: 6-12% slower on 17 to 256 rows, perf/RESULTS.md). Past 256 rows the held sums and x outgrow the caches,
+// and whole-k passes measured faster again.
+constexpr int64_t kPiece = 8;
+constexpr int64_t kHeldRows = 256;
 
 // Linux hands out the tile registers' state only on request (arch_prctl, once per process, Linux 5.16+).
 bool amx_permitted() {
@@ -150,19 +157,29 @@ inline void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
-// y[r .. r + rows) x blocks b0 .. b0 + NB - 1 (the last may be partial). x: a 16-row chunk of kp uint32 pairs
+// y[r .. r + rows) x blocks b0 .. b0 + NB - 1 (the last may be partial): chunks c0 .. c1 - 1 of k, the sums
+// before them in `held` (NB tiles of 16 x 16 fp32; c0 = 0: none), the sums after them left there unless c1 is
+// the last chunk, which adds the pairs past it and the bias and stores y. x: a 16-row chunk of kp uint32 pairs
 // per row, row stride ldx (rows past `rows` are zeros); w: the packed weight.
 template <int NB>
 void amx_tile(const uint32_t* __restrict x, int64_t ldx, int rows, const uint32_t* __restrict w, int64_t kp,
-              const float* __restrict bias, at::BFloat16* __restrict y, int64_t ldy, int64_t b0, int64_t n) {
+              const float* __restrict bias, at::BFloat16* __restrict y, int64_t ldy, int64_t b0, int64_t n,
+              int64_t c0, int64_t c1, float* __restrict held) {
   const int64_t full = kp / kChunk;
   const uint32_t* wb = w + b0 * kp * kBlock;
   const int64_t wstep = kp * kBlock;  // uint32 from one block to the next
-  _tile_zero(0);
-  if constexpr (NB > 1) _tile_zero(1);
-  if constexpr (NB > 2) _tile_zero(2);
-  if constexpr (NB > 3) _tile_zero(3);
-  for (int64_t c = 0; c < full; ++c) {
+  if (c0 == 0) {
+    _tile_zero(0);
+    if constexpr (NB > 1) _tile_zero(1);
+    if constexpr (NB > 2) _tile_zero(2);
+    if constexpr (NB > 3) _tile_zero(3);
+  } else {
+    _tile_loadd(0, held, 64);
+    if constexpr (NB > 1) _tile_loadd(1, held + 256, 64);
+    if constexpr (NB > 2) _tile_loadd(2, held + 512, 64);
+    if constexpr (NB > 3) _tile_loadd(3, held + 768, 64);
+  }
+  for (int64_t c = c0; c < c1; ++c) {
     const uint32_t* wc = wb + c * kChunk * kBlock;
     _tile_loadd(4, x + c * kChunk, ldx * 4);
     _tile_loadd(5, wc, 64);
@@ -180,11 +197,12 @@ void amx_tile(const uint32_t* __restrict x, int64_t ldx, int rows, const uint32_
       _tile_dpbf16ps(3, 4, 6);
     }
   }
-  alignas(64) float sums[NB][16][kBlock];
-  _tile_stored(0, sums[0], 64);
-  if constexpr (NB > 1) _tile_stored(1, sums[1], 64);
-  if constexpr (NB > 2) _tile_stored(2, sums[2], 64);
-  if constexpr (NB > 3) _tile_stored(3, sums[3], 64);
+  _tile_stored(0, held, 64);
+  if constexpr (NB > 1) _tile_stored(1, held + 256, 64);
+  if constexpr (NB > 2) _tile_stored(2, held + 512, 64);
+  if constexpr (NB > 3) _tile_stored(3, held + 768, 64);
+  if (c1 < full) return;  // more of k to come: the sums wait in `held`
+  const auto sums = reinterpret_cast<const float(*)[16][kBlock]>(held);
   for (int j = 0; j < NB; ++j) {
     const int64_t first = (b0 + j) * kBlock;
     const int64_t valid = n - first < kBlock ? n - first : kBlock;
@@ -203,12 +221,13 @@ void amx_tile(const uint32_t* __restrict x, int64_t ldx, int rows, const uint32_
 }
 
 void amx_tile_any(int width, const uint32_t* x, int64_t ldx, int rows, const uint32_t* w, int64_t kp,
-                  const float* bias, at::BFloat16* y, int64_t ldy, int64_t b0, int64_t n) {
+                  const float* bias, at::BFloat16* y, int64_t ldy, int64_t b0, int64_t n, int64_t c0, int64_t c1,
+                  float* held) {
   switch (width) {
-    case 1: amx_tile<1>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
-    case 2: amx_tile<2>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
-    case 3: amx_tile<3>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
-    case 4: amx_tile<4>(x, ldx, rows, w, kp, bias, y, ldy, b0, n); return;
+    case 1: amx_tile<1>(x, ldx, rows, w, kp, bias, y, ldy, b0, n, c0, c1, held); return;
+    case 2: amx_tile<2>(x, ldx, rows, w, kp, bias, y, ldy, b0, n, c0, c1, held); return;
+    case 3: amx_tile<3>(x, ldx, rows, w, kp, bias, y, ldy, b0, n, c0, c1, held); return;
+    case 4: amx_tile<4>(x, ldx, rows, w, kp, bias, y, ldy, b0, n, c0, c1, held); return;
     default: TORCH_CHECK(false, "linear_cpu: internal error, a tile of ", width, " blocks");
   }
 }
@@ -360,14 +379,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
   xp.narrow(0, 0, rows).narrow(1, 0, k).copy_(x);
   const auto* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr());
   constexpr int64_t width = 4;  // blocks per tile pass: divides kGroup
+  const int64_t full = kp / kChunk;
+  const int64_t piece = rows > 16 && rows <= kHeldRows ? kPiece : std::max<int64_t>(full, 1);
   at::parallel_for(0, (nb + kGroup - 1) / kGroup, 1, [&](int64_t g0, int64_t g1) {
     configure_tiles();  // per thread: the tile configuration is thread state
     const int64_t b_end = g1 * kGroup < nb ? g1 * kGroup : nb;
+    // Sums between pieces of k, a tile per 16 rows and block (torch's CPU allocator aligns to 64 bytes).
+    at::Tensor held_t = at::empty({std::min<int64_t>(padded, kHeldRows) * width * 16}, x.options().dtype(at::kFloat));
+    float* held = held_t.data_ptr<float>();
     for (int64_t b = g0 * kGroup; b < b_end; b += width) {
       const int w = static_cast<int>(b_end - b < width ? b_end - b : width);
-      for (int64_t r = 0; r < rows; r += 16) {
-        const int chunk = static_cast<int>(rows - r < 16 ? rows - r : 16);
-        amx_tile_any(w, xs + r * kp, kp, chunk, ws, kp, bs, ys + r * n, n, b, n);
+      for (int64_t g = 0; g < rows; g += kHeldRows) {
+        const int64_t g_end = g + kHeldRows < rows ? g + kHeldRows : rows;
+        for (int64_t c0 = 0; c0 == 0 || c0 < full; c0 += piece) {
+          const int64_t c1 = c0 + piece < full ? c0 + piece : full;
+          for (int64_t r = g; r < g_end; r += 16) {
+            const int chunk = static_cast<int>(g_end - r < 16 ? g_end - r : 16);
+            amx_tile_any(w, xs + r * kp, kp, chunk, ws, kp, bs, ys + r * n, n, b, n, c0, c1,
+                         held + (r - g) * width * 16);
+          }
+        }
       }
     }
     _tile_release();

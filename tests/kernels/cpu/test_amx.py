@@ -87,3 +87,26 @@ def test_a_kernel_that_refuses_the_tile_state_makes_amx_unusable_with_a_reason(m
         cpu._load.cache_clear()
         cpu._auto_in.cache_clear()
         cpu._env_level.cache_clear()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_linear_rows_in_pieces_of_k_and_groups_of_rows(threads):
+    """17 to 256 rows run k in pieces (sums held in memory between them), more rows in whole-k passes over groups
+    of 256: every row of 17, 40, 256, 257 and 300 equals that row's one-row product, K with several pieces and a
+    tail (K = 600: 18 tile products and 12 pairs; 1000: 31 and 4) and N off the blocks; both thread counts."""
+    g = torch.Generator().manual_seed(3)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with cpu.use_level("amx"):
+            for k, n in ((600, 77), (1000, 130)):
+                nw = prepare_weight((torch.randn(n, k, generator=g) / k ** 0.5).bfloat16())
+                b = torch.randn(n, generator=g).bfloat16()
+                x = torch.randn(300, k, generator=g).bfloat16()
+                alone = torch.cat([linear(x[i:i + 1], nw, b) for i in range(300)])
+                for rows in (17, 40, 256, 257, 300):
+                    assert torch.equal(linear(x[:rows], nw, b), alone[:rows]), (k, n, rows)
+                assert_close(alone, linear_ref(x.float(), nw.dense().float(), b.float()), 1e-2, 1.6e-2,
+                             name=f"amx linear k={k}")
+    finally:
+        torch.set_num_threads(old)
