@@ -1011,7 +1011,6 @@ class Engine:
                 gen.close()  # its State (caches, generator) goes with it
             gen = None
             self._batcher.leave()
-            self._finish(seq)
             with self._lock:
                 self._seqs.pop(seq, None)
                 self._active.discard(seq)
@@ -1022,6 +1021,8 @@ class Engine:
                         self._finish(nxt[0])
                     else:
                         self._start(nxt)
+            # Done only once it has left the engine: whoever waits on it then sees its slot free.
+            self._finish(seq)
 
     def _finish(self, seq: EngineSequence) -> None:
         seq.finished_at = time.perf_counter()
