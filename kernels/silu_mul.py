@@ -4,6 +4,10 @@
 - Elementwise over ``[..., N]``; the Triton kernel takes row and column strides, so
   ``gate``/``up`` may be the two halves of one fused ``gate_up`` projection (strided views).
 - Output is a new contiguous tensor of the input's shape and dtype.
+- On the CPU, bf16 takes graphspec's C++ kernel (kernels/cpu/silu_mul.cpp) at the levels with vector kernels
+  (amx, avx512, avx2): one pass over each row, where the torch path writes three fp32 temporaries (a quarter of a
+  1024-token prefill's time; perf/RESULTS.md). Its exp is ``fast_exp`` (relative error < 3e-7), so an output may
+  differ from the reference by one bf16 rounding step. fp32 and the other levels keep the torch path.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphspec.kernels import cpu
 from graphspec.kernels._dispatch import FLOAT_DTYPES, check_tensor, use_triton
 
 __all__ = ["silu_mul", "silu_mul_ref"]
@@ -83,5 +88,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"up has dtype {up.dtype} but gate has dtype {gate.dtype}; cast them to one dtype")
     if use_triton(gate):
         return _silu_mul_triton(gate, up)
+    if gate.dtype == torch.bfloat16 and gate.device.type == "cpu" and cpu.bf16_linear():
+        n = gate.shape[-1]
+        g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)  # views whenever the strides allow
+        if n > 1 and (g2.stride(1) != 1 or u2.stride(1) != 1):
+            g2, u2 = g2.contiguous(), u2.contiguous()
+        return cpu.ops().silu_mul(g2, u2).reshape(gate.shape)
     # Torch path: silu_mul_ref's values (tested bit for bit) with one temporary fewer.
     return torch.nn.functional.silu(gate.float()).mul_(up).to(gate.dtype)

@@ -6,8 +6,8 @@
   -m flags (``_build``; about a minute on 2 cores, once per machine and level, cached) and registering its ops under
   ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
   run every level the machine can execute, not only its best.
-- What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) at amx (tile products), avx512 and avx2;
-  decode/verify attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
+- What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) and the bf16 MLP activation
+  (``silu_mul.cpp``) at amx (tile products), avx512 and avx2; decode/verify attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
   ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF
   block GEMMs (``qgemm.cpp``, an extension of its own per level: ``qops``; amx loads avx512's) at every C++
   level. At the torch level the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are
@@ -62,11 +62,11 @@ _FLAGS = {
 }
 
 KERNELS = {
-    "amx": ("bf16 linear (AMX tiles, tdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)",
+    "amx": ("bf16 linear (AMX tiles, tdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)",
             "int8 draft forward", "GGUF block GEMMs (avx512's)", "GGUF k-quants on int8 activations (avx512's)"),
-    "avx512": ("bf16 linear (vdpbf16ps)", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward",
+    "avx512": ("bf16 linear (vdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward",
                "GGUF block GEMMs (FMA)", "GGUF k-quants on int8 activations (16-row tiles, vpdpbusd)"),
-    "avx2": ("bf16 linear (FMA)", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)",
+    "avx2": ("bf16 linear (FMA)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)",
              "GGUF k-quants on int8 activations (16-row tiles, vpmaddubsw + vpmaddwd)"),
     "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward", "GGUF block GEMMs (scalar)",
                 "GGUF k-quants on int8 activations (scalar)"),
@@ -75,7 +75,7 @@ KERNELS = {
 """Which C++ kernels each level runs; everything else takes the op's torch path."""
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "linear.cpp", _HERE / "attention.cpp", _HERE / "int8_draft.cpp"]
+_SOURCES = [_HERE / "linear.cpp", _HERE / "attention.cpp", _HERE / "int8_draft.cpp", _HERE / "silu_mul.cpp"]
 _OLD_ENVS = {"GRAPHSPEC_CPU_NATIVE", "GRAPHSPEC_INT8_NATIVE"}
 
 
