@@ -373,10 +373,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
 #if GS_AMX
   TORCH_CHECK(amx_permitted(), "linear_cpu: Linux did not grant this process the AMX tile state (arch_prctl "
               "ARCH_REQ_XCOMP_PERM; Linux 5.16 or newer); use GRAPHSPEC_CPU=avx512");
-  // x as 16-row chunks of kp pairs (zero rows and a zero column pad it), so every tile load reads 16 rows.
+  // x as 16-row chunks of kp pairs (zero rows and a zero column pad it), so every tile load reads 16 rows; a
+  // contiguous x of whole chunks and even K (a prefill's block) is that already and is read in place.
   const int64_t padded = (rows + 15) / 16 * 16;
-  at::Tensor xp = at::zeros({padded, kp * 2}, x.options());
-  xp.narrow(0, 0, rows).narrow(1, 0, k).copy_(x);
+  at::Tensor xp = x;
+  if (padded != rows || k % 2 != 0 || !x.is_contiguous()) {
+    xp = at::zeros({padded, kp * 2}, x.options());
+    xp.narrow(0, 0, rows).narrow(1, 0, k).copy_(x);
+  }
   const auto* xs = reinterpret_cast<const uint32_t*>(xp.data_ptr());
   constexpr int64_t width = 4;  // blocks per tile pass: divides kGroup
   const int64_t full = kp / kChunk;
