@@ -1,4 +1,5 @@
-// silu(gate) * up on the CPU: graphspec.kernels.silu_mul's CPU kernel at every C++ level (graphspec.kernels.cpu).
+// silu(gate) * up on the CPU: graphspec.kernels.silu_mul's kernel for bf16 at amx, avx512 and avx2 (built at every
+// C++ level; the generic level's scalar loop is slower than torch's, so it is not dispatched there).
 //
 // Why: the MLP's activation between its two GEMMs. Its torch path (fp32 silu, a multiply, a cast back) writes
 // three fresh temporaries the size of the gate, and in a prefill of 1024 tokens took about a quarter of the
@@ -9,8 +10,8 @@
 // input dtype to nearest even. Elementwise: a row's bits do not depend on the other rows or the thread count.
 
 // Floating-point compares may be turned into blends here (the exception flags they could raise are never read):
-// without this GCC keeps fast_exp's clamp and the sigmoid's branch as branches and the loop stays scalar. Values
-// are unchanged by it.
+// without this GCC keeps fast_exp's clamp and the sigmoid's branch as branches and the loop stays scalar. The
+// values computed are the same IEEE results; only the exception flags, which nothing reads, may differ.
 #pragma GCC optimize("no-trapping-math")
 
 #include <torch/script.h>
