@@ -7,11 +7,11 @@
   ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
   run every level the machine can execute, not only its best.
 - What runs where (``KERNELS``): the bf16 linear (``linear.cpp``) and the bf16 MLP activation
-  (``silu_mul.cpp``) at amx (tile products), avx512 and avx2; decode/verify attention (``attention.cpp``) and the int8 GEMM and int8 draft forward (``int8_gemm.h``,
-  ``int8_draft.cpp``) at every C++ level; the int4 GEMM (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF
-  block GEMMs (``qgemm.cpp``, an extension of its own per level: ``qops``; amx loads avx512's) at every C++
-  level. At the torch level the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are
-  correct on every CPU.
+  (``silu_mul.cpp``) at amx (tile products), avx512 and avx2; decode/verify attention (``attention.cpp``) and
+  the int8 GEMM and int8 draft forward (``int8_gemm.h``, ``int8_draft.cpp``) at every C++ level; the int4 GEMM
+  (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF block GEMMs (``qgemm.cpp``, an extension of its own per
+  level: ``qops``; amx loads avx512's) at every C++ level. At the torch level the ops run their torch paths
+  (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
 - The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
   builds; a failed build warns once, saying why, and the next level down is used) or a level's name (that
   level, required: an error where the CPU lacks it or it does not build). ``use_level(name)`` pins one for
@@ -62,12 +62,14 @@ _FLAGS = {
 }
 
 KERNELS = {
-    "amx": ("bf16 linear (AMX tiles, tdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)",
-            "int8 draft forward", "GGUF block GEMMs (avx512's)", "GGUF k-quants on int8 activations (avx512's)"),
-    "avx512": ("bf16 linear (vdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)", "int8 draft forward",
-               "GGUF block GEMMs (FMA)", "GGUF k-quants on int8 activations (16-row tiles, vpdpbusd)"),
-    "avx2": ("bf16 linear (FMA)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int8 draft forward", "GGUF block GEMMs (FMA)",
-             "GGUF k-quants on int8 activations (16-row tiles, vpmaddubsw + vpmaddwd)"),
+    "amx": ("bf16 linear (AMX tiles, tdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)",
+            "int4 GEMM (vpdpbusd)", "int8 draft forward", "GGUF block GEMMs (avx512's)",
+            "GGUF k-quants on int8 activations (avx512's)"),
+    "avx512": ("bf16 linear (vdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)",
+               "int8 draft forward", "GGUF block GEMMs (FMA)",
+               "GGUF k-quants on int8 activations (16-row tiles, vpdpbusd)"),
+    "avx2": ("bf16 linear (FMA)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int8 draft forward",
+             "GGUF block GEMMs (FMA)", "GGUF k-quants on int8 activations (16-row tiles, vpmaddubsw + vpmaddwd)"),
     "generic": ("attention (scalar)", "int8 GEMM (scalar)", "int8 draft forward", "GGUF block GEMMs (scalar)",
                 "GGUF k-quants on int8 activations (scalar)"),
     "torch": (),
