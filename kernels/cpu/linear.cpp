@@ -34,12 +34,8 @@
 #include <cstring>
 #include <string>
 
+#include "amx.h"
 #include "level.h"
-
-#if GS_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #define GS_HAVE_BF16 (GS_AVX512 || GS_AVX2)
 
@@ -129,33 +125,9 @@ constexpr int64_t kChunk = 16;  // pairs of k per tile product: one 64-byte tile
 constexpr int64_t kPiece = 8;
 constexpr int64_t kHeldRows = 256;
 
-// Linux hands out the tile registers' state only on request (arch_prctl, once per process, Linux 5.16+).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kGetPerm = 0x1022, kReqPerm = 0x1023, kXtileData = 18;
-    unsigned long bits = 0;
-    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
-    if (syscall(SYS_arch_prctl, kGetPerm, &bits) != 0) return false;
-    return (bits & (1ul << kXtileData)) != 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
-  uint16_t colsb[16] = {0};
-  uint8_t rows[16] = {0};
-};
-
-// Tiles 0-3: the sums of up to 4 blocks; 4: 16 rows of x; 5, 6: weights. Every tile 16 rows of 64 bytes.
-inline void configure_tiles() {
-  TileConfig c;
-  for (int t = 0; t < 7; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
+// Tiles (amx.h: each 16 rows of 64 bytes) 0-3: the sums of up to 4 blocks; 4: 16 rows of x; 5, 6: weights.
+using graphspec_amx::amx_permitted;
+using graphspec_amx::configure_tiles;
 
 // y[r .. r + rows) x blocks b0 .. b0 + NB - 1 (the last may be partial): chunks c0 .. c1 - 1 of k, the sums
 // before them in `held` (NB tiles of 16 x 16 fp32; c0 = 0: none), the sums after them left there unless c1 is

@@ -249,10 +249,10 @@ def _exact_trial(trial, dtype, g):
 
 
 @pytest.fixture
-def cpu_rows(any_level):
-    """The CPU row-exact path under test: C++ (kernels/cpu/attention.cpp) at each level this CPU executes, or, at
-    the torch level, TorchScript SDPA rows."""
-    return any_level
+def cpu_rows(attention_level):
+    """The CPU row-exact path under test: C++ (kernels/cpu/attention.cpp) at each level this CPU executes (amx: bf16
+    on tiles), or, at the torch level, TorchScript SDPA rows."""
+    return attention_level
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -504,7 +504,7 @@ def test_cpu_verify_rows_equal_one_token_steps_bitwise(dtype, cpu_rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_long_chains_are_row_exact_in_cpp(dtype, any_level):
+def test_cpu_long_chains_are_row_exact_in_cpp(dtype, cpu_rows):
     """Where the C++ attention runs (any C++ level), a chain of up to EXACT_CHAIN_ROWS_MAX rows (a prefix cache's
     row-exact prefill block) gives each row the one-token step's bits; past it, and at the torch level past
     EXACT_ROWS_MAX, the block is one batched call (the reference)."""
@@ -519,11 +519,11 @@ def test_cpu_long_chains_are_row_exact_in_cpp(dtype, any_level):
         with use_backend("torch"):
             full = attention(q, k, v)
             if not native or T > EXACT_CHAIN_ROWS_MAX:
-                assert torch.equal(full, attention_ref(q, k, v)), (T, any_level)
+                assert torch.equal(full, attention_ref(q, k, v)), (T, cpu_rows)
                 continue
             bad = [j for j in range(T) if not torch.equal(
                 attention(q[:, j:j + 1], k[:, :cached + j + 1], v[:, :cached + j + 1]), full[:, j:j + 1])]
-        assert not bad, (T, any_level, bad[:5])
+        assert not bad, (T, cpu_rows, bad[:5])
 
 
 def test_batched_rows_runs_a_block_as_one_call(monkeypatch):

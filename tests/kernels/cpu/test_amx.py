@@ -1,4 +1,5 @@
-"""The amx level of the CPU backend: avx512 plus AMX tiles for the bf16 linear (kernels/cpu/linear.cpp).
+"""The amx level of the CPU backend: avx512 plus AMX tiles for the bf16 linear (kernels/cpu/linear.cpp) and the
+bf16 attention (kernels/cpu/attention.cpp).
 
 Its bf16 linear runs every bf16_level test (tests/kernels/cpu/test_linear_attention.py: against the reference on
 odd shapes, rows bit-identical whatever the row count and threads) and the model tests of every level
@@ -20,9 +21,10 @@ from tests.kernels._compare import assert_close, attention_inputs
 pytestmark = pytest.mark.skipif("amx" not in cpu.supported_levels(), reason="this CPU has no AMX bf16 tiles")
 
 
-def test_amx_attention_and_int8_int4_gemms_are_avx512s_bits():
-    """The amx binary compiles the same attention and int8 / int4 GEMM source as avx512 with the tile flags added, which
-    emit no tile instruction there: the same bits. The GGUF block GEMMs are avx512's very extension."""
+def test_amx_int8_int4_gemms_and_vector_attention_are_avx512s_bits():
+    """The amx binary compiles the int8 / int4 GEMMs and the vector attention from avx512's source with the tile
+    flags added, which emit no tile instruction there: the same bits. That attention serves fp32 and head dims
+    the tiles do not take (80 here). The GGUF block GEMMs are avx512's very extension."""
     outs = {}
     g = torch.Generator().manual_seed(1)
     qw = quantize_weight(torch.randn(200, 300, generator=g))
@@ -30,9 +32,9 @@ def test_amx_attention_and_int8_int4_gemms_are_avx512s_bits():
     for lv in ("amx", "avx512"):
         with cpu.use_level(lv):
             got = []
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype, d in ((torch.float32, 128), (torch.bfloat16, 80)):
                 torch.manual_seed(2)  # attention_inputs draws from the global generator
-                q, k, v = attention_inputs(2, 6, 47, 12, 2, 128, dtype)
+                q, k, v = attention_inputs(2, 6, 47, 12, 2, d, dtype)
                 got += [attention(q, k, v), attention(q, k, v, tree=ancestor_mask([-1, 0, 0, 1, 2, 3], device="cpu"))]
             got.append(qw.native(lv).forward(x))
             got.append(qw.native(lv).forward4(x[:3]))  # the int4 GEMM (products of up to 3 rows)
@@ -40,6 +42,78 @@ def test_amx_attention_and_int8_int4_gemms_are_avx512s_bits():
     assert all(torch.equal(a, b) for a, b in zip(outs["amx"], outs["avx512"]))
     assert cpu.qops("amx").level() == "avx512" and cpu.qops("amx") is cpu.qops("avx512")
     assert cpu.ops("amx").level() == "amx" and cpu.bf16_linear("amx") and cpu.have_int4("amx")
+
+
+def _attend_rows(q, k, v, parents=None):
+    """The C++ op on a chain (parents None) or a tree of the last T keys, as kernels.attention calls it."""
+    t = q.shape[1]
+    parents = list(range(-1, t - 1)) if parents is None else parents
+    paths = []
+    for j in range(t):
+        path, i = [], j
+        while i >= 0:
+            path.append(i)
+            i = parents[i]
+        paths.append(path[::-1])
+    return cpu.ops().attend(q, k, v, q.shape[3] ** -0.5, [len(p) for p in paths], [i for p in paths for i in p]), paths
+
+
+def _exact(q, k, v, keys):
+    """Float64 attention of q [B, 1, Hq, D] over the keys at positions `keys` of k, v [B, L, Hk, D]."""
+    g = q.shape[2] // k.shape[2]
+    kd = k[:, keys].double().repeat_interleave(g, 2)
+    vd = v[:, keys].double().repeat_interleave(g, 2)
+    s = torch.einsum("bhd,blhd->bhl", q[:, 0].double(), kd) * q.shape[3] ** -0.5
+    return torch.einsum("bhl,blhd->bhd", s.softmax(-1), vd)[:, None]
+
+
+# (B, cached, T, Hq, Hk, D): decode and verify rows; the cache's length off 16 and 32 and on them; GQA 6 (the
+# 1.5B), 3 (SmolLM2), 20 (more queries a row than a tile's 16), MHA; head dims 32, 64, 96, 128.
+AMX_SHAPES = [(1, 47, 6, 12, 2, 128), (2, 64, 17, 9, 3, 64), (1, 300, 40, 12, 2, 128), (1, 5, 3, 20, 1, 96),
+              (1, 31, 33, 4, 4, 32), (1, 0, 19, 6, 1, 128)]
+
+
+@pytest.mark.parametrize("shape", AMX_SHAPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_attention_rows_are_one_token_steps_and_attention(shape, threads):
+    """bf16 attention on tiles (kernels/cpu/attention.cpp, run_amx): every row of a chain and of a tree gives the
+    bits of the one-token step over exactly its keys, at both thread counts, and is attention within bf16's
+    rounding: |error| <= 2^-8 |exact| + 2^-9 max |v| (the output's rounding, plus the softmax weights' own at
+    2^-9 relative each)."""
+    b, cached, t, hq, hk, d = shape
+    g = torch.Generator().manual_seed(cached + t)
+    q = torch.randn(b, t, hq, d, generator=g).bfloat16()
+    k = (torch.randn(b, cached + t, hk, d, generator=g) * 2).bfloat16()
+    v = torch.randn(b, cached + t, hk, d, generator=g).bfloat16()
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, t)]  # a random tree
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with cpu.use_level("amx"):
+            for tree in (None, parents):
+                out, paths = _attend_rows(q, k, v, tree)
+                for j, path in enumerate(paths):
+                    keys = list(range(cached)) + [cached + i for i in path]
+                    one = cpu.ops().attend(q[:, j:j + 1], k[:, keys], v[:, keys], d ** -0.5, [1], [0])
+                    assert torch.equal(one, out[:, j:j + 1]), (shape, tree is None, j)
+                    exact = _exact(q[:, j:j + 1], k, v, keys)
+                    bound = exact.abs() * 2 ** -8 + v.abs().max().double() * 2 ** -9
+                    assert ((out[:, j:j + 1].double() - exact).abs() <= bound).all(), (shape, tree is None, j)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_amx_attention_runs_on_tiles_for_bf16_head_dims_of_32_to_128():
+    """The tile path is what the amx level runs for bf16 head dims 32, 64, 96, 128 (its roundings differ from
+    avx512's vector path, which keeps fp32, other head dims and longer heads)."""
+    torch.manual_seed(4)
+    for d, tiles in ((32, True), (64, True), (96, True), (128, True), (80, False), (160, False), (256, False)):
+        q, k, v = attention_inputs(1, 5, 70, 6, 2, d, torch.bfloat16)
+        with cpu.use_level("amx"):
+            amx_out = attention(q, k, v)
+        with cpu.use_level("avx512"):
+            avx_out = attention(q, k, v)
+        assert torch.equal(amx_out, avx_out) != tiles, d
 
 
 @pytest.mark.parametrize("k", [1536, 8960, 896, 40, 62])
