@@ -6,7 +6,7 @@
 For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default, which for
 bf16 at the CPU backend's amx, avx512 and avx2 levels is graphspec's own kernel (kernels/cpu/linear.cpp); "onednn": oneDNN's
 packed layout; "plain": the same weights as plain tensors through ``F.linear``) it times ``model.step`` over
-T = 1, 2, 4, 8 new tokens after 256 cached ones and prints the median milliseconds, the ratio
+T = 1, 2, 4, 8 new tokens after 256 cached ones (``--context``) and prints the median milliseconds, the ratio
 to the one-token step (the cost of a speculative verify) and the one-token step's achieved
 bandwidth (weight bytes / time) next to the memory read bandwidth measured in the same run. With
 ``--quantize int8`` (a draft as the CLI runs it) the layouts are the int8 forward in C++ and in TorchScript.
@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--context", type=int, nargs="+", default=[256], metavar="TOKENS",
+                    help="cached tokens before the T new ones (several: each in turn; attention's share grows with it)")
     ap.add_argument("--quantize", default="none", choices=["none", "int8"],
                     help="int8: the model as a draft runs it (kernels.linear.Int8Weight); layouts then do not apply")
     ap.add_argument("--int8-forwards", nargs="+", default=["native", "general"],
@@ -102,19 +104,22 @@ def main(argv=None) -> int:
                 torch.set_num_threads(threads)
                 linear_mod.MIN_ROWS = pad
                 bw = read_bandwidth()["gbps_median"]  # at this thread count: 1 thread reads slower when quiet
-                base = None
-                for t in args.tokens:
-                    s = step_times(model, t, args.reps)
+                bases = {}  # context -> its one-token step
+                for ctx, t in ((c, t) for c in args.context for t in args.tokens):
+                    s = step_times(model, t, args.reps, context=ctx)
                     med = statistics.median(s)
-                    base = med if t == 1 else base
+                    if t == 1:
+                        bases[ctx] = med
+                    base = bases.get(ctx)
                     row = {"dtype": dname, "layout": layout, "threads": threads, "min_rows": pad, "tokens": t,
-                           "median_ms": med * 1e3, "min_ms": min(s) * 1e3,
+                           "context": ctx, "median_ms": med * 1e3, "min_ms": min(s) * 1e3,
                            "ratio_to_1": med / base if base else None,
                            "gbps": nbytes / med / 1e9, "weight_bytes": nbytes, "read_bandwidth_gbps": bw}
                     row["fraction_of_bandwidth"] = row["gbps"] / bw
                     rows.append(row)
-                    print(f"{dname:5s} {layout:6s} threads={threads} min_rows={pad} T={t}: {med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"
-                          f"  x{row['ratio_to_1']:.2f} of T=1  {row['gbps']:5.1f} GB/s = "
+                    print(f"{dname:5s} {layout:6s} threads={threads} min_rows={pad} ctx={ctx} T={t}: {med * 1e3:7.1f} ms "
+                          f"(min {min(s) * 1e3:6.1f})"
+                          f"  x{row['ratio_to_1'] or float('nan'):.2f} of T=1  {row['gbps']:5.1f} GB/s = "
                           f"{100 * row['fraction_of_bandwidth']:.0f}% of read bw", flush=True)
         del model
     result["read_bandwidth_after"] = read_bandwidth()
