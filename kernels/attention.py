@@ -197,7 +197,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     native = q.device.type == "cpu" and q.dtype in _NATIVE_DTYPES and cpu.available()
     # A row-exact chain past a verify's size (a prefix cache's prefill block) where the C++ loop runs it.
     long_chain = native and tree is None and T <= EXACT_CHAIN_ROWS_MAX
-    if (T <= _EXACT_MAX_T or long_chain) and rows_exact():
+    # The amx level's tile path is faster than SDPA's batched block as well: a prefill of any length takes it too.
+    tiles = (native and tree is None and q.dtype == torch.bfloat16 and q.shape[3] in _AMX_HEAD_DIMS
+             and cpu.level() == "amx")
+    if ((T <= _EXACT_MAX_T or long_chain) and rows_exact()) or tiles:
         # A verify's query row must come out bit-identical to the one-token step at that position, or bf16 greedy
         # speculative output drifts from autoregressive.
         if native:
@@ -234,6 +237,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 # keep one batched call.
 _EXACT_MAX_T = EXACT_ROWS_MAX
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what kernels/cpu/attention.cpp reads
+_AMX_HEAD_DIMS = (32, 64, 96, 128)  # bf16 head dims attention.cpp runs on AMX tiles at the amx level (run_amx)
 
 
 # ----------------------------------------------------------------------------- Triton kernels

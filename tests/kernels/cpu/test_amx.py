@@ -184,3 +184,41 @@ def test_amx_linear_rows_in_pieces_of_k_and_groups_of_rows(threads):
                              name=f"amx linear k={k}")
     finally:
         torch.set_num_threads(old)
+
+
+def test_amx_prefills_take_the_tile_path_too(monkeypatch):
+    """At amx a bf16 prefill block (inside batched_rows(), of any length, past EXACT_CHAIN_ROWS_MAX too) runs the C++
+    tile path, faster there than SDPA's one batched call: the row-exact rows' bits. fp32, other head dims and other
+    levels keep the batched call."""
+    from graphspec.kernels import EXACT_CHAIN_ROWS_MAX, attention_ref, batched_rows
+
+    calls = []
+    real = cpu.ops
+
+    def counting(*a):
+        ops = real(*a)
+
+        class Counted:
+            def __getattr__(self, name):
+                op = getattr(ops, name)
+                return (lambda *b: calls.append(b[0].shape[1]) or op(*b)) if name == "attend" else op
+        return Counted()
+
+    monkeypatch.setattr(cpu, "ops", counting)
+    torch.manual_seed(6)
+    t = EXACT_CHAIN_ROWS_MAX + 37
+    q, k, v = attention_inputs(1, t, t + 3, 6, 2, 64, torch.bfloat16)
+    with cpu.use_level("amx"):
+        with batched_rows():
+            batched = attention(q, k, v)
+        assert len(calls) > 1 and sum(calls) == t  # in pieces, all rows
+        for j in (0, 517, t - 1):  # each row is the one-token step's
+            assert torch.equal(attention(q[:, j:j + 1], k[:, :j + 4], v[:, :j + 4]), batched[:, j:j + 1]), j
+        n = len(calls)
+        for dtype, d in ((torch.float32, 64), (torch.bfloat16, 80)):
+            q2, k2, v2 = attention_inputs(1, 40, 50, 6, 2, d, dtype)
+            with batched_rows():
+                assert torch.equal(attention(q2, k2, v2), attention_ref(q2, k2, v2))
+    with cpu.use_level("avx512"), batched_rows():
+        assert torch.equal(attention(q, k, v), attention_ref(q, k, v))
+    assert len(calls) == n
