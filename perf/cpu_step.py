@@ -117,8 +117,8 @@ def main(argv=None) -> int:
                            "gbps": nbytes / med / 1e9, "weight_bytes": nbytes, "read_bandwidth_gbps": bw}
                     row["fraction_of_bandwidth"] = row["gbps"] / bw
                     rows.append(row)
-                    print(f"{dname:5s} {layout:6s} threads={threads} min_rows={pad} ctx={ctx} T={t}: {med * 1e3:7.1f} ms "
-                          f"(min {min(s) * 1e3:6.1f})"
+                    print(f"{dname:5s} {layout:6s} threads={threads} min_rows={pad} ctx={ctx} T={t}: "
+                          f"{med * 1e3:7.1f} ms (min {min(s) * 1e3:6.1f})"
                           f"  x{row['ratio_to_1'] or float('nan'):.2f} of T=1  {row['gbps']:5.1f} GB/s = "
                           f"{100 * row['fraction_of_bandwidth']:.0f}% of read bw", flush=True)
         del model

@@ -546,8 +546,8 @@ void run_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doub
             const int64_t n = base + lengths[j], from = base / 32 * 32, count = n - from;
             const int64_t* path = nodes + starts[j];
             vt.resize(((count + 31) / 32) * nd * 512);
-            amx_repack_v(vb, vs1, count, [&](int64_t i) { return from + i < base ? from + i : base + path[from + i - base]; },
-                         d, zero.data(), vt.data());
+            const auto slot = [&](int64_t i) { return from + i < base ? from + i : base + path[from + i - base]; };
+            amx_repack_v(vb, vs1, count, slot, d, zero.data(), vt.data());
             for (int64_t w0 = 0; w0 < g; w0 += 16) {  // the row's queries, 16 at a time
               const int64_t q0 = (j - j0) * g + w0, nw = std::min<int64_t>(16, g - w0);
               amx_pv_all(pw.data() + q0 * ld + from, ld, vt.data(), nd, (count + 31) / 32, acc.data() + q0 * d,
