@@ -5,6 +5,7 @@
 #include "level.h"
 
 #if GS_AMX
+#include <c10/util/Exception.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -22,6 +23,12 @@ inline bool amx_permitted() {
     return (bits & (1ul << kXtileData)) != 0;
   }();
   return ok;
+}
+
+// What a kernel says where Linux refused the tile state: `who` names the kernel.
+inline void require_tiles(const char* who) {
+  TORCH_CHECK(amx_permitted(), who, ": Linux did not grant this process the AMX tile state (arch_prctl "
+              "ARCH_REQ_XCOMP_PERM; Linux 5.16 or newer); use GRAPHSPEC_CPU=avx512");
 }
 
 struct alignas(64) TileConfig {

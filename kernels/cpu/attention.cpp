@@ -396,7 +396,8 @@ void amx_pv_all(const uint16_t* p, int64_t ldp, const uint16_t* vt, int64_t nd, 
 
 // V's keys 0 .. count - 1 (key i at v + slot(i) * stride) as the second operand of P @ V: per block of 32 keys and
 // 32 dims, two tiles of 16 rows (pairs of keys) x 16 dwords (one dim of both keys). vpunpck{l,h}wd interleave
-// in 128-bit lanes, so tile h of dims 32G.. holds in column c the dim 32G + 8 (c / 4) + 4h + c % 4 (column_dim).
+// in 128-bit lanes, so tile h of dims 32G.. holds in column c the dim 32G + 8 (c / 4) + 4h + c % 4 (amx_store_row
+// puts them back in order).
 // Keys past count are zeros.
 template <typename Slot>
 void amx_repack_v(const uint16_t* v, int64_t stride, int64_t count, Slot slot, int64_t d, const uint16_t* zero,
@@ -434,15 +435,16 @@ inline void amx_store_row(const float* sums, float inv, int64_t d, at::BFloat16*
 // A query's scores s[0 .. n) -> its weights exp(s_i - max s) as bf16 in p[0 .. n), zeros in p[n .. ld); returns
 // 1 / the fp32 sum of the weights, summed in 16 lanes by i % 16, then sum16: an order set by n alone.
 inline float amx_weights(const float* s, int64_t n, uint16_t* p, int64_t ld) {
+  const auto lanes = [n](int64_t i) {  // the lanes of s[i .. i + 16) before n
+    return n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+  };
   __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + i));
-  }
+  for (int64_t i = 0; i < n; i += 16)
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(i), s + i));
   const V16 mx = set16(_mm512_reduce_max_ps(m));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 k = lanes(i);
     const __m512 e = _mm512_maskz_mov_ps(k, exp16(sub16({_mm512_maskz_loadu_ps(k, s + i)}, mx)).v);
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));
@@ -462,8 +464,7 @@ void run_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doub
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  TORCH_CHECK(graphspec_amx::amx_permitted(), "attention_cpu: Linux did not grant this process the AMX tile state "
-              "(arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16 or newer); use GRAPHSPEC_CPU=avx512");
+  graphspec_amx::require_tiles("attention_cpu");
   bool chain = true;  // row j sees keys 0 .. j of the new ones: its keys are the slots 0 .. base + j
   for (int64_t j = 0; j < t; ++j) chain = chain && lengths[j] == j + 1;
   const int64_t np = d / 32, nd = d / 16;

@@ -343,8 +343,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& p, int64_t n, const c10
   const int64_t step = (rows + chunks - 1) / chunks;
 #endif
 #if GS_AMX
-  TORCH_CHECK(amx_permitted(), "linear_cpu: Linux did not grant this process the AMX tile state (arch_prctl "
-              "ARCH_REQ_XCOMP_PERM; Linux 5.16 or newer); use GRAPHSPEC_CPU=avx512");
+  graphspec_amx::require_tiles("linear_cpu");
   // x as 16-row chunks of kp pairs (zero rows and a zero column pad it), so every tile load reads 16 rows; a
   // contiguous x of whole chunks and even K (a prefill's block) is that already and is read in place.
   const int64_t padded = (rows + 15) / 16 * 16;
