@@ -3,6 +3,7 @@
     .venv/bin/python perf/qgemm.py                                   # Q4_K, Q6_K, Q5_0, Q8_0; 1, 2, 4, 6, 8 rows
     .venv/bin/python perf/qgemm.py --types Q4_K --rows 1 6 --shape 17920 1536 --threads 2
     .venv/bin/python perf/qgemm.py --types Q4_K Q6_K --activations int8      # the a8 GEMMs only
+    .venv/bin/python perf/qgemm.py --activations int8 --rows 16 32 512 --levels amx avx512   # two levels
 
 For each format (with fp32 activations, and for the k-quants also with int8 ones: "Q4_K a8"), level and row
 count: the median of ``--reps`` calls of ``qlinear`` on one random weight of
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--activations", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"],
                     help="fp32 (the exact GEMMs) and/or int8 (the k-quants' a8 GEMMs, weights='gguf-a8'); a format "
                          "without an int8 path is timed with fp32 activations only")
+    ap.add_argument("--levels", nargs="+", default=None, metavar="LEVEL",
+                    help="only these C++ levels (default: every level this CPU runs but torch)")
     args = ap.parse_args(argv)
 
     from graphspec.kernels import cpu
@@ -56,6 +59,11 @@ def main(argv=None) -> int:
         ap.error(f"--shape {n} {k}: N must be positive and K a positive multiple of 256 (the k-quants' block)")
     torch.set_num_threads(args.threads)
     levels = [lv for lv in cpu.runnable_levels() if lv != "torch"]
+    if args.levels:
+        unknown = [lv for lv in args.levels if lv not in levels]
+        if unknown:
+            ap.error(f"--levels: {', '.join(unknown)} not among this CPU's C++ levels ({', '.join(levels)})")
+        levels = [lv for lv in levels if lv in args.levels]
     from graphspec.kernels.qlinear import A8_TYPES
 
     weights = {}

@@ -40,10 +40,10 @@ def _deterministic_seed():
 # executes but that does not build fails its tests rather than skipping them: CI's machines have g++ and ninja.
 from graphspec.kernels import cpu as _cpu  # noqa: E402
 
-# amx differs from avx512 in its bf16 linear and its bf16 attention (its other kernels are avx512's source, its GGUF
-# block GEMMs avx512's binary): it runs the bf16 tests (bf16_level), the attention's (attention_level) and the
-# whole-model ones (model_level), and tests/kernels/cpu/test_amx.py checks that the rest is avx512's, rather than
-# every per-level test running twice.
+# amx differs from avx512 in its bf16 linear, its bf16 attention and its GGUF k-quant GEMMs on int8 activations (its
+# other kernels are avx512's source): it runs the bf16 tests (bf16_level), the attention's (attention_level), the
+# GGUF blocks' (block_level) and the whole-model ones (model_level), and tests/kernels/cpu/test_amx.py checks that
+# the rest is avx512's, rather than every per-level test running twice.
 ALL_C_LEVELS = [lv for lv in _cpu.supported_levels() if lv != "torch"]
 C_LEVELS = [lv for lv in ALL_C_LEVELS if lv != "amx"]
 BF16_LEVELS = [lv for lv in ALL_C_LEVELS if _cpu.bf16_linear(lv)]
@@ -67,6 +67,14 @@ def bf16_level(request):
 @pytest.fixture(params=[*C_LEVELS, "torch"])
 def any_level(request):
     """Each C++ level this CPU executes (but amx, as ``level``), then the torch level (no C++), in force for the test."""
+    with _cpu.use_level(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=ALL_C_LEVELS)
+def block_level(request):
+    """Every C++ level, amx included (its int8-activation GEMMs on GGUF k-quants run on tiles): for the block
+    GEMMs' tests and GGUF models' native forwards."""
     with _cpu.use_level(request.param):
         yield request.param
 

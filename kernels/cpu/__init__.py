@@ -1,7 +1,7 @@
 """graphspec's CPU backend: C++ kernels per instruction-set level, behind one entry point and one switch.
 
-- Levels, best first (``LEVELS``): ``amx`` (avx512 + AMX tiles for bf16), ``avx512`` (AVX-512 F/BW/VL/DQ + BF16 +
-  VNNI), ``avx2`` (AVX2 + FMA + F16C), ``generic`` (plain C++ for any CPU) and ``torch`` (no C++: every op's
+- Levels, best first (``LEVELS``): ``amx`` (avx512 + AMX tiles for bf16 and int8), ``avx512`` (AVX-512
+  F/BW/VL/DQ + BF16 + VNNI), ``avx2`` (AVX2 + FMA + F16C), ``generic`` (plain C++ for any CPU) and ``torch`` (no C++: every op's
   torch path). Each C++ level is one extension, built on first use from this folder's files with that level's
   -m flags (``_build``; about a minute on 2 cores, once per machine and level, cached) and registering its ops under
   ``torch.ops.graphspec_cpu_<level>``, so several levels can run side by side in one process: the tests
@@ -10,8 +10,9 @@
   (``silu_mul.cpp``) at amx (tile products), avx512 and avx2; decode/verify attention (``attention.cpp``) and
   the int8 GEMM and int8 draft forward (``int8_gemm.h``, ``int8_draft.cpp``) at every C++ level; the int4 GEMM
   (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF block GEMMs (``qgemm.cpp``, an extension of its own per
-  level: ``qops``; amx loads avx512's) at every C++ level. At the torch level the ops run their torch paths
-  (oneDNN, SDPA, the int8 reference), which are correct on every CPU.
+  level: ``qops``; at amx the k-quants on int8 activations of 12-16 rows or more run on tiles) at every C++ level.
+  At the torch level the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every
+  CPU.
 - The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
   builds; a failed build warns once, saying why, and the next level down is used) or a level's name (that
   level, required: an error where the CPU lacks it or it does not build). ``use_level(name)`` pins one for
@@ -43,8 +44,8 @@ ENV = "GRAPHSPEC_CPU"
 LEVELS = ("amx", "avx512", "avx2", "generic", "torch")
 
 _REQUIRES = {
-    "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
-            "avx2", "fma", "f16c"),
+    "amx": ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+            "avx512_vnni", "avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"),
     "avx2": ("avx2", "fma", "f16c"),
     "generic": (),
@@ -53,8 +54,8 @@ _REQUIRES = {
 """The /proc/cpuinfo flags a level's binary needs."""
 
 _FLAGS = {
-    "amx": ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-            "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
+    "amx": ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+            "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mavx2",
                "-mfma", "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -64,7 +65,7 @@ _FLAGS = {
 KERNELS = {
     "amx": ("bf16 linear (AMX tiles, tdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)",
             "int4 GEMM (vpdpbusd)", "int8 draft forward", "GGUF block GEMMs (avx512's)",
-            "GGUF k-quants on int8 activations (avx512's)"),
+            "GGUF k-quants on int8 activations (AMX tiles, tdpbsud, from 12-16 rows)"),
     "avx512": ("bf16 linear (vdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)",
                "int8 draft forward", "GGUF block GEMMs (FMA)",
                "GGUF k-quants on int8 activations (16-row tiles, vpdpbusd)"),
@@ -301,17 +302,12 @@ def _load_q(name: str) -> None:
                     f"graphspec's C++ block-format GEMMs at the {name} level", ["-ffp-contract=off"])
 
 
-_Q_LEVEL = {"amx": "avx512"}
-"""Levels whose block-format extension would compile to another level's code: they load that one (amx has no
-tile path for the GGUF blocks, so its qgemm.cpp is avx512's, bit for bit, and is not built twice)."""
-
-
 def qops(name: str | None = None):
     """The block-format GEMM ops of level ``name`` (default: the level in force): ``level``, ``qlinear``."""
     name = level() if name is None else name
     if name == "torch":
         raise ValueError("the torch level has no C++ ops; check available() first")
-    return _namespace(_Q_LEVEL.get(name, name), "graphspec_cpuq_", _load_q)
+    return _namespace(name, "graphspec_cpuq_", _load_q)
 
 
 def qclasses(name: str | None = None):
@@ -319,7 +315,7 @@ def qclasses(name: str | None = None):
     ``BlockModel``."""
     name = level() if name is None else name
     qops(name)
-    return getattr(torch.classes, f"graphspec_cpuq_{_Q_LEVEL.get(name, name)}")
+    return getattr(torch.classes, f"graphspec_cpuq_{name}")
 
 
 def classes(name: str | None = None):

@@ -1,5 +1,5 @@
-// AMX tile state shared by the amx level's kernels (linear.cpp, attention.cpp): Linux's permission to use the
-// tile registers and the one tile configuration every kernel here uses (8 tiles of 16 rows x 64 bytes).
+// AMX tile state shared by the amx level's kernels (linear.cpp, attention.cpp, qgemm.cpp): Linux's permission to use
+// the tile registers and the one tile configuration every kernel here uses (8 tiles of 16 rows x 64 bytes).
 #pragma once
 
 #include "level.h"

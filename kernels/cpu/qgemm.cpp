@@ -20,12 +20,18 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "level.h"
+
+#if GS_AMX && !defined(__AMX_INT8__)
+#error "the amx level is built with -mamx-int8 (graphspec.kernels.cpu._FLAGS)"
+#endif
 
 namespace {
 
@@ -605,12 +611,41 @@ GS_INLINE __m512i bit_to4(__m512i h) {
   else return _mm512_and_si512(h, m);
 }
 
+// Q6_K: quad i of groups p, p + 8, p + 4, p + 12 (j = 4p + i; the low and high nibbles of runs j and j + 16 with
+// their high run's bit pairs), 16 rows' quants 0 .. 63.
+GS_INLINE void q6_quads(const uint8_t* __restrict t, int j, __m512i* w) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i va = _mm512_loadu_si512(t + nib_off<Q6_K>(j)), vb = _mm512_loadu_si512(t + nib_off<Q6_K>(j + 16));
+  const __m512i h = _mm512_loadu_si512(t + high_off<Q6_K>(j));
+  w[0] = _mm512_or_si512(_mm512_and_si512(va, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+  w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(va, 4), m4), _mm512_and_si512(h, m30));
+  w[2] = _mm512_or_si512(_mm512_and_si512(vb, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(vb, 4), m4),
+                         _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+}
+
+// Q4_K / Q5_K: quad 8s + i of sub-blocks s (lo) and s + 4 (hi), 16 rows' quants (Q5_K: with their fifth bits).
+template <int T>
+GS_INLINE void k_quads(const uint8_t* __restrict t, int s, int i, __m512i& lo, __m512i& hi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(t + nib_off<T>(8 * s + i));
+  lo = _mm512_and_si512(v, m4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+  if constexpr (T == Q5_K) {  // high run i: bit s (quad 8s + i), bit s + 4 (quad 8s + i + 32)
+    const __m512i h = _mm512_loadu_si512(t + high_off<T>(i));
+    switch (s) {
+      case 0: lo = _mm512_or_si512(lo, bit_to4<0>(h)); hi = _mm512_or_si512(hi, bit_to4<4>(h)); break;
+      case 1: lo = _mm512_or_si512(lo, bit_to4<1>(h)); hi = _mm512_or_si512(hi, bit_to4<5>(h)); break;
+      case 2: lo = _mm512_or_si512(lo, bit_to4<2>(h)); hi = _mm512_or_si512(hi, bit_to4<6>(h)); break;
+      default: lo = _mm512_or_si512(lo, bit_to4<3>(h)); hi = _mm512_or_si512(hi, bit_to4<7>(h)); break;
+    }
+  }
+}
+
 // One tile row (16 weight rows, nsb super-blocks) times G rows of x; acc[m] lane r: output row r of x row m.
 template <int T, int G>
 GS_INLINE void tile_a8(const uint8_t* __restrict t, int64_t nsb, const int8_t* const* xq, const float* const* dx,
                        const int16_t* const* xs, __m512* acc) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  (void)m30;
   for (int64_t b = 0; b < nsb; ++b, t += kTileBytes<T>) {
     __m512i S[G];
     for (int m = 0; m < G; ++m) S[m] = _mm512_setzero_si512();
@@ -622,13 +657,8 @@ GS_INLINE void tile_a8(const uint8_t* __restrict t, int64_t nsb, const int8_t* c
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
           const int j = 4 * p + i;
-          const __m512i va = _mm512_loadu_si512(t + nib_off<T>(j)), vb = _mm512_loadu_si512(t + nib_off<T>(j + 16));
-          const __m512i h = _mm512_loadu_si512(t + high_off<T>(j));
-          const __m512i w[4] = {
-              _mm512_or_si512(_mm512_and_si512(va, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(va, 4), m4), _mm512_and_si512(h, m30)),
-              _mm512_or_si512(_mm512_and_si512(vb, m4), _mm512_and_si512(_mm512_slli_epi16(h, 2), m30)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(vb, 4), m4), _mm512_and_si512(_mm512_srli_epi16(h, 2), m30))};
+          __m512i w[4];
+          q6_quads(t, j, w);
           for (int m = 0; m < G; ++m) {
             const int8_t* x = xq[m] + b * 256 + 4 * j;  // quads j, j + 32, j + 16, j + 48
             D[m][0] = keep(_mm512_dpbusd_epi32(D[m][0], w[0], _mm512_set1_epi32(load_i32(x))));
@@ -657,17 +687,8 @@ GS_INLINE void tile_a8(const uint8_t* __restrict t, int64_t nsb, const int8_t* c
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) {
           const int j = 8 * s + i;
-          const __m512i v = _mm512_loadu_si512(t + nib_off<T>(j));
-          __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-          if constexpr (T == Q5_K) {  // high run i: bit s (quad j), bit s + 4 (quad j + 32)
-            const __m512i h = _mm512_loadu_si512(t + high_off<T>(i));
-            switch (s) {
-              case 0: lo = _mm512_or_si512(lo, bit_to4<0>(h)); hi = _mm512_or_si512(hi, bit_to4<4>(h)); break;
-              case 1: lo = _mm512_or_si512(lo, bit_to4<1>(h)); hi = _mm512_or_si512(hi, bit_to4<5>(h)); break;
-              case 2: lo = _mm512_or_si512(lo, bit_to4<2>(h)); hi = _mm512_or_si512(hi, bit_to4<6>(h)); break;
-              default: lo = _mm512_or_si512(lo, bit_to4<3>(h)); hi = _mm512_or_si512(hi, bit_to4<7>(h)); break;
-            }
-          }
+          __m512i lo, hi;
+          k_quads<T>(t, s, i, lo, hi);
           for (int m = 0; m < G; ++m) {
             D0[m] = keep(_mm512_dpbusd_epi32(D0[m], lo, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 4 * j))));
             D1[m] = keep(_mm512_dpbusd_epi32(D1[m], hi, _mm512_set1_epi32(load_i32(xq[m] + b * 256 + 128 + 4 * j))));
@@ -971,31 +992,233 @@ constexpr int64_t kMaxPass = T == Q6_K ? 5 : 6;
 constexpr int64_t kMaxPass = 4;
 #endif
 
+// Rows r0 .. r1 - 1 of x times tile row g, in passes over the tile row, which stays in cache between passes
+// (nsb * kTileBytes bytes). One pass takes up to kMaxPass<T> rows; more rows are split into passes of about equal
+// size (8: 4 + 4). Each output is the same sum whatever the pass, so a row's result does not depend on the row count.
+template <int T>
+void vector_passes(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, int64_t r0, int64_t r1, int64_t g,
+                   int64_t n, const float* bias, float* y) {
+  const int64_t passes = (r1 - r0 + kMaxPass<T> - 1) / kMaxPass<T>;
+  for (int64_t p = 0, r = r0; p < passes; ++p) {
+    const int64_t rows = (r1 - r) / (passes - p);  // the rows left, shared evenly by the passes left
+    switch (rows) {
+      case 1: tiles_pass<T, 1>(tiles, nsb, a, k, r, g, n, bias, y); break;
+      case 2: tiles_pass<T, 2>(tiles, nsb, a, k, r, g, n, bias, y); break;
+      case 3: tiles_pass<T, 3>(tiles, nsb, a, k, r, g, n, bias, y); break;
+      case 4: tiles_pass<T, 4>(tiles, nsb, a, k, r, g, n, bias, y); break;
+      case 5: tiles_pass<T, 5>(tiles, nsb, a, k, r, g, n, bias, y); break;
+      default: tiles_pass<T, (kMaxPass<T> >= 6 ? 6 : 5)>(tiles, nsb, a, k, r, g, n, bias, y); break;
+    }
+    r += rows;
+  }
+}
+
+#if GS_AMX
+// amx: many rows of x (wide verifies, prefills) on AMX int8 tiles. Per output and super-block, S = sum_s sc_s D_s
+// is x . p over the 256 quants with p = sc q per weight (Q4_K / Q5_K: 0 .. 1953; Q6_K: sc (q - 32), -4096 .. 4064).
+// Each p is split into bytes, p = 256 H + L (L unsigned, H unsigned or, for Q6_K, signed), so S = x . L + 256 x . H:
+// eight tile products of 64 quants a super-block (tdpbsud; Q6_K's H tdpbssd), and no sums per sub-block to scale.
+// Every integer is exact (|x . L| <= 256 * 127 * 255), so S, and with tile_a8's fp32 steps every output, has the
+// avx512 bits whatever the row count. The second operands (L, H of 16 outputs, VNNI's layout, as the tiles hold the
+// quants) are built once per super-block and tile row, then multiply every 16-row chunk of x.
+// Measured on an Intel Xeon with AMX (perf/RESULTS.md): the tiles pay from 16 rows of x for Q4_K / Q5_K and 12 for
+// Q6_K, and a last part chunk of 8 (Q6_K: 2) rows or more is cheaper padded than on vectors.
+template <int T>
+constexpr int64_t kAmxMinRows = T == Q6_K ? 12 : 16;
+template <int T>
+constexpr int64_t kAmxMinTail = T == Q6_K ? 2 : 8;
+
+// sc of output o (16 bytes at p) in the 16-bit lanes 2o and 2o + 1: the lanes of a quad row's bytes of output o.
+template <bool is_signed>
+GS_INLINE __m512i scale_words(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i d = is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+  return _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16));
+}
+
+// One quad row q (64 quants, int8 if is_signed) times its scales sw: the low bytes of the products to l, the high
+// bytes to h (16-bit products, even and odd bytes apart).
+template <bool is_signed>
+GS_INLINE void split_products(__m512i q, __m512i sw, uint8_t* l, uint8_t* h) {
+  const __m512i lo8 = _mm512_set1_epi16(0x00FF), hi8 = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
+  const __m512i qe = is_signed ? _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8) : _mm512_and_si512(q, lo8);
+  const __m512i qo = is_signed ? _mm512_srai_epi16(q, 8) : _mm512_srli_epi16(q, 8);
+  const __m512i pe = _mm512_mullo_epi16(qe, sw), po = _mm512_mullo_epi16(qo, sw);
+  _mm512_store_si512(l, _mm512_or_si512(_mm512_and_si512(pe, lo8), _mm512_slli_epi16(po, 8)));
+  _mm512_store_si512(h, _mm512_or_si512(_mm512_srli_epi16(pe, 8), _mm512_and_si512(po, hi8)));
+}
+
+// Super-block t of a tile as the second operands: wl, wh [64 quads][16 outputs][4 bytes].
+template <int T>
+GS_INLINE void amx_weights(const uint8_t* __restrict t, uint8_t* __restrict wl, uint8_t* __restrict wh) {
+  if constexpr (T == Q6_K) {
+    const __m512i k32 = _mm512_set1_epi8(32);
+    __m512i sw[16];
+    for (int g = 0; g < 16; ++g) sw[g] = scale_words<true>(t + sc_off<T>(g));
+    for (int p = 0; p < 4; ++p)
+      for (int i = 0; i < 4; ++i) {
+        __m512i q[4];
+        q6_quads(t, 4 * p + i, q);
+        const int grp[4] = {p, p + 8, p + 4, p + 12};
+        for (int e = 0; e < 4; ++e) {
+          const int row = 4 * grp[e] + i;
+          split_products<true>(_mm512_sub_epi8(q[e], k32), sw[grp[e]], wl + 64 * row, wh + 64 * row);
+        }
+      }
+  } else {
+    for (int s = 0; s < 4; ++s) {  // sub-blocks s (low nibbles of runs 8s ..) and s + 4 (their high nibbles)
+      const __m512i sw0 = scale_words<false>(t + sc_off<T>(s)), sw1 = scale_words<false>(t + sc_off<T>(s + 4));
+      for (int i = 0; i < 8; ++i) {
+        __m512i lo, hi;
+        k_quads<T>(t, s, i, lo, hi);
+        split_products<false>(lo, sw0, wl + 64 * (8 * s + i), wh + 64 * (8 * s + i));
+        split_products<false>(hi, sw1, wl + 64 * (8 * (s + 4) + i), wh + 64 * (8 * (s + 4) + i));
+      }
+    }
+  }
+}
+
+// One or two 16-row chunks of x (xa, xb: a super-block of each, in run_a8_amx's order of x) times wl, wh: the
+// int32 sums x . L and x . H, 16 rows x 16 outputs each, to c (xa's at c, c + 256; xb's at c + 512, c + 768).
+// Each weight tile is loaded once for both chunks.
+template <int T, bool two>
+GS_INLINE void amx_products(const int8_t* xa, const int8_t* xb, const uint8_t* wl, const uint8_t* wh, int32_t* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (two) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int kk = 0; kk < 4; ++kk) {
+    _tile_loadd(4, wl + 1024 * kk, 64);
+    _tile_loadd(5, wh + 1024 * kk, 64);
+    _tile_loadd(2, xa + 1024 * kk, 64);
+    _tile_dpbsud(0, 2, 4);
+    if constexpr (T == Q6_K) _tile_dpbssd(1, 2, 5); else _tile_dpbsud(1, 2, 5);
+    if constexpr (two) {
+      _tile_loadd(3, xb + 1024 * kk, 64);
+      _tile_dpbsud(6, 3, 4);
+      if constexpr (T == Q6_K) _tile_dpbssd(7, 3, 5); else _tile_dpbsud(7, 3, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  if constexpr (two) {
+    _tile_stored(6, c + 512, 64);
+    _tile_stored(7, c + 768, 64);
+  }
+}
+
+// Tile row t (16 outputs) times all mpad (a multiple of 16) rows of x (xt, in run_a8_amx's order) into acc ([mpad][16]
+// fp32 sums); wl, wh, c: scratch. The products of the next two chunks are issued before the sums of these two are
+// finished, so the tile unit and the vector units work at the same time.
+template <int T>
+void amx_tile_row(const uint8_t* __restrict t, int64_t nsb, const XA8& a, const int8_t* xt, int64_t mpad,
+                  uint8_t* __restrict wl, uint8_t* __restrict wh, int32_t* __restrict c, float* __restrict acc) {
+  std::fill(acc, acc + mpad * kTileRows, 0.0f);
+  const int64_t chunks = mpad / 16, pairs = (chunks + 1) / 2;
+  for (int64_t b = 0; b < nsb; ++b, t += kTileBytes<T>) {
+    amx_weights<T>(t, wl, wh);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T>)));
+    __m512 dmin = d;
+    __m512i mz[4];  // Q4_K / Q5_K: the mins of sub-blocks 2p, 2p + 1 as int16 pairs
+    if constexpr (T != Q6_K) {
+      dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T> + 32)));
+      for (int p = 0; p < 4; ++p)
+        mz[p] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kMnOff<T> + 32 * p)));
+    }
+    const int8_t* xb = xt + b * mpad * 256;
+    auto issue = [&](int64_t p) {
+      const int8_t* x0 = xb + 2 * p * 4096;
+      int32_t* cp = c + (p % 2) * 1024;
+      if (2 * p + 1 < chunks) amx_products<T, true>(x0, x0 + 4096, wl, wh, cp);
+      else amx_products<T, false>(x0, nullptr, wl, wh, cp);
+    };
+    issue(0);
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (p + 1 < pairs) issue(p + 1);
+      const int32_t* cp = c + (p % 2) * 1024;
+      for (int64_t ch = 2 * p; ch < std::min(2 * p + 2, chunks); ++ch)
+        for (int r = 0; r < 16; ++r) {
+          const int64_t row = 16 * ch + r;
+          const int32_t* cr = cp + (ch - 2 * p) * 512 + 16 * r;
+          const __m512i S = _mm512_add_epi32(_mm512_load_si512(cr), _mm512_slli_epi32(_mm512_load_si512(cr + 256), 8));
+          const __m512 x = _mm512_set1_ps(a.dx[row * nsb + b]);
+          __m512 v = _mm512_loadu_ps(acc + row * kTileRows);
+          v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), _mm512_mul_ps(d, x), v);
+          if constexpr (T != Q6_K) {
+            const int16_t* xs = a.xs.data() + (row * nsb + b) * kSums<T>;
+            __m512i Mn = _mm512_setzero_si512();
+            for (int q = 0; q < 4; ++q) Mn = _mm512_dpwssd_epi32(Mn, mz[q], _mm512_set1_epi32(load_i32(xs + 2 * q)));
+            v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(dmin, x), v);
+          }
+          _mm512_storeu_ps(acc + row * kTileRows, v);
+        }
+    }
+  }
+}
+
+// The rows of x the tiles take (from kAmxMinRows<T>): whole 16-row chunks, and a last, part chunk of kAmxMinTail<T>
+// rows or more (padded); the rows after them take vector_passes, right after the tiles on the same tile row, which
+// is then in cache.
+template <int T>
+int64_t amx_rows(int64_t m) {
+  if (m < kAmxMinRows<T>) return 0;
+  return m % 16 >= kAmxMinTail<T> ? m : m - m % 16;
+}
+
+template <int T>
+void run_a8_amx(XA8& a, int64_t m, int64_t mt, int64_t k, const uint8_t* tiles, int64_t n, const float* bias,
+                float* y) {
+  graphspec_amx::require_tiles("qlinear_a8");
+  const int64_t nsb = k / 256, mpad = (mt + 15) / 16 * 16;
+  if (mpad > m) {  // zero rows pad x to whole 16-row chunks (their outputs are dropped)
+    a.q.resize(static_cast<size_t>(mpad * k));
+    a.dx.resize(static_cast<size_t>(mpad * nsb));
+    a.xs.resize(static_cast<size_t>(mpad * nsb * kSums<T>));
+  }
+  // x in the order the tiles read it: [super-block][16-row chunk][64 quants][row][64 bytes], so that a tile load
+  // reads 1 KiB in a row and every tile row streams x in order.
+  std::vector<int8_t> xt(static_cast<size_t>(mpad * k));
+  for (int64_t b = 0; b < nsb; ++b)
+    for (int64_t r = 0; r < mpad; ++r)
+      for (int kk = 0; kk < 4; ++kk)
+        std::memcpy(xt.data() + (b * mpad + r / 16 * 16) * 256 + 1024 * kk + 64 * (r % 16),
+                    a.q.data() + r * k + b * 256 + 64 * kk, 64);
+  const int64_t groups = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    graphspec_amx::configure_tiles();  // per thread: the tile configuration is thread state
+    alignas(64) uint8_t wl[4096], wh[4096];
+    alignas(64) int32_t c[2 * 1024];
+    std::vector<float> acc(static_cast<size_t>(mpad * kTileRows));
+    for (int64_t g = g0; g < g1; ++g) {
+      amx_tile_row<T>(tiles + g * nsb * kTileBytes<T>, nsb, a, xt.data(), mpad, wl, wh, c, acc.data());
+      const int64_t rows = std::min<int64_t>(kTileRows, n - g * kTileRows);
+      for (int64_t i = 0; i < mt; ++i)
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t j = g * kTileRows + r;
+          const float v = acc[i * kTileRows + r];
+          y[i * n + j] = bias ? v + bias[j] : v;
+        }
+      if (mt < m) vector_passes<T>(tiles, nsb, a, k, mt, m, g, n, bias, y);
+    }
+    _tile_release();
+  });
+}
+#endif  // GS_AMX
+
 template <int T>
 void run_a8(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t n, const float* bias, float* y) {
   XA8 a;
   quantize_a8<T>(x, m, k, a);
+#if GS_AMX
+  if (const int64_t mt = amx_rows<T>(m); mt > 0) return run_a8_amx<T>(a, m, mt, k, tiles, n, bias, y);
+#endif
   const int64_t nsb = k / 256;
   const int64_t groups = (n + kTileRows - 1) / kTileRows;
   const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(1, nsb * kTileBytes<T>));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    // Rows of x in passes over a tile row, which stays in cache between passes (nsb * kTileBytes bytes). One
-    // pass takes up to kMaxPass<T> rows; more rows are split into passes of about equal size (8: 4 + 4). Each
-    // output is the same sum whatever the pass, so a row's result does not depend on the row count.
-    const int64_t passes = (m + kMaxPass<T> - 1) / kMaxPass<T>;
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t p = 0, r = 0; p < passes; ++p) {
-        const int64_t rows = (m - r) / (passes - p);  // the rows left, shared evenly by the passes left
-        switch (rows) {
-          case 1: tiles_pass<T, 1>(tiles, nsb, a, k, r, g, n, bias, y); break;
-          case 2: tiles_pass<T, 2>(tiles, nsb, a, k, r, g, n, bias, y); break;
-          case 3: tiles_pass<T, 3>(tiles, nsb, a, k, r, g, n, bias, y); break;
-          case 4: tiles_pass<T, 4>(tiles, nsb, a, k, r, g, n, bias, y); break;
-          case 5: tiles_pass<T, 5>(tiles, nsb, a, k, r, g, n, bias, y); break;
-          default: tiles_pass<T, (kMaxPass<T> >= 6 ? 6 : 5)>(tiles, nsb, a, k, r, g, n, bias, y); break;
-        }
-        r += rows;
-      }
+    for (int64_t g = g0; g < g1; ++g) vector_passes<T>(tiles, nsb, a, k, 0, m, g, n, bias, y);
   });
 }
 

@@ -19,7 +19,7 @@ from tests.models._chunks import CHUNKS, TREE_LEVELS, tree_levels
 from tests.models._chunks import native_steps as _steps
 from tests.models.test_gguf_target import _rel, write_block_gguf
 
-pytestmark = pytest.mark.usefixtures("level")  # every C++ level this CPU executes
+pytestmark = pytest.mark.usefixtures("block_level")  # every C++ level this CPU executes, amx included
 
 RTOL = 1e-5  # fp32 activations: only the order of fp32 sums (norms, attention) and a polynomial exp differ
 

@@ -1,5 +1,7 @@
-"""The amx level of the CPU backend: avx512 plus AMX tiles for the bf16 linear (kernels/cpu/linear.cpp) and the
-bf16 attention (kernels/cpu/attention.cpp).
+"""The amx level of the CPU backend: avx512 plus AMX tiles for the bf16 linear (kernels/cpu/linear.cpp), the
+bf16 attention (kernels/cpu/attention.cpp) and the GGUF k-quants on int8 activations (kernels/cpu/qgemm.cpp,
+whose tile path gives avx512's bits: tests/kernels/cpu/test_qgemm.py and tests/models/test_gguf_native.py run amx
+through ``block_level``).
 
 Its bf16 linear runs every bf16_level test (tests/kernels/cpu/test_linear_attention.py: against the reference on
 odd shapes, rows bit-identical whatever the row count and threads) and the model tests of every level
@@ -16,7 +18,9 @@ import torch
 from graphspec.kernels import attention, cpu
 from graphspec.kernels.attention import ancestor_mask
 from graphspec.kernels.linear import NativeWeight, linear, linear_ref, prepare_weight, quantize_weight
+from graphspec.kernels.qlinear import TYPE_IDS
 from tests.kernels._compare import assert_close, attention_inputs
+from tests.kernels._qblocks import random_blocks
 
 pytestmark = pytest.mark.skipif("amx" not in cpu.supported_levels(), reason="this CPU has no AMX bf16 tiles")
 
@@ -24,7 +28,8 @@ pytestmark = pytest.mark.skipif("amx" not in cpu.supported_levels(), reason="thi
 def test_amx_int8_int4_gemms_and_vector_attention_are_avx512s_bits():
     """The amx binary compiles the int8 / int4 GEMMs and the vector attention from avx512's source with the tile
     flags added, which emit no tile instruction there: the same bits. That attention serves fp32 and head dims
-    the tiles do not take (80 here). The GGUF block GEMMs are avx512's very extension."""
+    the tiles do not take (80 here). So are the GGUF block GEMMs on fp32 activations (qgemm.cpp's own extension,
+    built at amx for its int8-activation tile path)."""
     outs = {}
     g = torch.Generator().manual_seed(1)
     qw = quantize_weight(torch.randn(200, 300, generator=g))
@@ -38,9 +43,14 @@ def test_amx_int8_int4_gemms_and_vector_attention_are_avx512s_bits():
                 got += [attention(q, k, v), attention(q, k, v, tree=ancestor_mask([-1, 0, 0, 1, 2, 3], device="cpu"))]
             got.append(qw.native(lv).forward(x))
             got.append(qw.native(lv).forward4(x[:3]))  # the int4 GEMM (products of up to 3 rows)
+            for type_name in ("Q4_K", "Q6_K", "Q8_0", "Q5_0"):  # fp32 activations: 1..8 rows and the prefill path
+                blocks = torch.from_numpy(random_blocks(type_name, 37, 512, seed=3))
+                for m in (1, 5, 13):
+                    got.append(cpu.qops(lv).qlinear(x[:m, :256].repeat(1, 2).contiguous(), blocks,
+                                                    TYPE_IDS[type_name], 37, 512, None))
             outs[lv] = got
     assert all(torch.equal(a, b) for a, b in zip(outs["amx"], outs["avx512"]))
-    assert cpu.qops("amx").level() == "avx512" and cpu.qops("amx") is cpu.qops("avx512")
+    assert cpu.qops("amx").level() == "amx" and cpu.qops("avx512").level() == "avx512"
     assert cpu.ops("amx").level() == "amx" and cpu.bf16_linear("amx") and cpu.have_int4("amx")
 
 
@@ -222,3 +232,19 @@ def test_amx_prefills_take_the_tile_path_too(monkeypatch):
     with cpu.use_level("avx512"), batched_rows():
         assert torch.equal(attention(q, k, v), attention_ref(q, k, v))
     assert len(calls) == n
+
+
+def test_gguf_a8_model_on_tiles_gives_avx512s_logits(tmp_path):
+    """A gguf-a8 model's prefill (40 rows: whole tile chunks and a padded one), a 17-row verify (16 on tiles, one on
+    vectors) and a one-token step give the same logits at amx as at avx512, whose GEMMs are all vectors."""
+    from graphspec.models import load_model
+    from tests.models._chunks import native_steps
+    from tests.models.test_gguf_target import write_block_gguf
+
+    model = load_model(write_block_gguf(tmp_path / "m.gguf"), weights="gguf-a8")
+    ids = torch.randint(0, model.config.vocab_size, (1, 58), generator=torch.Generator().manual_seed(5))
+    got = {}
+    for lv in ("amx", "avx512"):
+        with cpu.use_level(lv):
+            got[lv] = native_steps(model, True, ids, chunks=(40, 17, 1))
+    assert torch.equal(got["amx"], got["avx512"])

@@ -15,7 +15,7 @@ from graphspec.kernels import cpu
 from graphspec.kernels.linear import linear
 from graphspec.kernels.qlinear import (A8_TILE_ROWS, FORMATS, TYPE_IDS, BlockWeight, pack_a8, pack_a8_ref, qlinear,
                                        qlinear_a8_ref, qlinear_ref, quantize_activations_ref, unpack_a8)
-from tests.conftest import C_LEVELS
+from tests.conftest import ALL_C_LEVELS, C_LEVELS
 from tests.kernels._qblocks import random_blocks
 
 TYPES = list(FORMATS)
@@ -127,8 +127,8 @@ def _with_outliers(m: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("type_name", A8)
-@pytest.mark.parametrize("m", [1, 3, 8, 13])
-def test_a8_matches_its_reference(level, type_name, m):
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 20, 33])
+def test_a8_matches_its_reference(block_level, type_name, m):
     n, k = 37, 768
     w = _a8_weight(type_name, n, k, seed=m)
     x = _with_outliers(m, k, seed=m)
@@ -136,14 +136,14 @@ def test_a8_matches_its_reference(level, type_name, m):
     y = qlinear(x, w, bias)
     err = (y.double() - qlinear_a8_ref(x, w, bias).double()).abs()
     bound = _a8_bound(x, w)
-    assert (err <= bound).all(), f"{level} {type_name}: worst {float((err / bound).max()):.2f}x the bound"
+    assert (err <= bound).all(), f"{block_level} {type_name}: worst {float((err / bound).max()):.2f}x the bound"
     # and it is not the fp32-activation product: the rounding of x shows
     exact = qlinear(x, BlockWeight(type_name, w.blocks, w.shape), bias)
     assert not torch.allclose(y, exact, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("type_name", A8)
-def test_a8_rounds_ties_to_even(level, type_name):
+def test_a8_rounds_ties_to_even(block_level, type_name):
     # amax 127 makes 127 / amax exactly 1, so x = j + 0.5 is a tie: rounding half away from zero instead of to
     # even moves about half of the 256 values a super-block by one step, far outside the bound
     n, k = 11, 512
@@ -158,7 +158,7 @@ def test_a8_rounds_ties_to_even(level, type_name):
 
 @pytest.mark.parametrize("type_name", A8)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_a8_largest_quants_and_activations_stay_exact(level, type_name, sign):
+def test_a8_largest_quants_and_activations_stay_exact(block_level, type_name, sign):
     # every quant, sub-scale and min at its largest and every x at +-127: the avx2 path sums vpmaddubsw pairs in
     # int16 over several quads before scaling (kChunk in qgemm.cpp), and one quad too many wraps a lane here
     n, k = 9, 512
@@ -169,31 +169,44 @@ def test_a8_largest_quants_and_activations_stay_exact(level, type_name, sign):
     else:
         blocks[:, 4:] = 0xFF  # 6-bit scales and mins 63, (Q5_K: high bits,) nibbles 15: quants 15 / 31
     w = BlockWeight(type_name, torch.from_numpy(blocks.reshape(n, -1).copy()), (n, k), "int8")
-    x = torch.full((3, k), sign)
+    x = torch.full((20, k), sign)  # 20 rows: amx runs 16 or all of them on tiles
     err = (qlinear(x, w).double() - qlinear_a8_ref(x, w).double()).abs()
-    assert (err <= _a8_bound(x, w)).all(), f"{level} {type_name}: worst {float((err / _a8_bound(x, w)).max()):.2f}x"
+    worst = float((err / _a8_bound(x, w)).max())
+    assert (err <= _a8_bound(x, w)).all(), f"{block_level} {type_name}: worst {worst:.2f}x"
 
 
 @pytest.mark.parametrize("type_name", A8)
-def test_a8_rows_are_exact_whatever_the_row_count_and_threads(level, type_name):
-    _check_rows_exact(level, type_name, _a8_weight(type_name, 29, 512), _with_outliers(13, 512, seed=1))
+def test_a8_rows_are_exact_whatever_the_row_count_and_threads(block_level, type_name):
+    w = _a8_weight(type_name, 29, 512)
+    _check_rows_exact(block_level, type_name, w, _with_outliers(13, 512, seed=1))
+    # wide verifies and prefills (amx: whole 16-row chunks on tiles, a last part chunk padded or on vectors)
+    x = _with_outliers(45, 512, seed=4)
+    alone = torch.cat([qlinear(x[i:i + 1], w) for i in range(45)])
+    for m in (12, 15, 16, 17, 20, 24, 28, 33, 45):
+        assert torch.equal(qlinear(x[45 - m:], w), alone[45 - m:]), (block_level, type_name, m)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(qlinear(x, w), alone), (block_level, type_name)
+    finally:
+        torch.set_num_threads(threads)
 
 
-@pytest.mark.skipif(len(C_LEVELS) < 2, reason="needs a CPU that executes two C++ levels")
+@pytest.mark.skipif(len(ALL_C_LEVELS) < 2, reason="needs a CPU that executes two C++ levels")
 @pytest.mark.parametrize("type_name", A8)
 def test_a8_every_level_gives_the_same_bits(type_name):
     n, k = 19, 768
     w = _a8_weight(type_name, n, k)
-    x = _with_outliers(11, k, seed=2)
-    for m in (1, 4, 11):
+    x = _with_outliers(40, k, seed=2)
+    for m in (1, 4, 11, 12, 16, 17, 20, 28, 40):
         got = [cpu.qops(lv).qlinear_a8(x[:m].contiguous(), w.tiles, TYPE_IDS[type_name], n, k, None)
-               for lv in C_LEVELS]
-        for lv, g in zip(C_LEVELS[1:], got[1:]):
-            assert torch.equal(got[0], g), (type_name, m, C_LEVELS[0], lv)
+               for lv in ALL_C_LEVELS]
+        for lv, g in zip(ALL_C_LEVELS[1:], got[1:]):
+            assert torch.equal(got[0], g), (type_name, m, ALL_C_LEVELS[0], lv)
 
 
 @pytest.mark.parametrize("type_name", A8)
-def test_a8_zero_and_non_finite_rows(level, type_name):
+def test_a8_zero_and_non_finite_rows(block_level, type_name):
     n, k = 7, 512
     w = _a8_weight(type_name, n, k)
     bias = torch.randn(n)
@@ -207,7 +220,7 @@ def test_a8_zero_and_non_finite_rows(level, type_name):
     assert torch.isfinite(y[3]).all() and torch.equal(y[3:], qlinear(x[3:], w, bias))
 
 
-def test_a8_applies_to_the_k_quants_only(level):
+def test_a8_applies_to_the_k_quants_only(block_level):
     # a legacy format asked for int8 activations keeps fp32 ones: the same bits as without the setting
     w = BlockWeight("Q8_0", torch.from_numpy(random_blocks("Q8_0", 9, 256)), (9, 256), "int8")
     assert not w.int8_activations
@@ -227,7 +240,7 @@ def test_a8_at_the_torch_level_is_the_reference_and_agrees_with_the_kernels():
     with cpu.use_level("torch"):
         y = qlinear(x, w)
     assert torch.equal(y, qlinear_a8_ref(x, w))
-    for lv in C_LEVELS:
+    for lv in ALL_C_LEVELS:
         with cpu.use_level(lv):
             assert ((qlinear(x, w).double() - y.double()).abs() <= _a8_bound(x, w)).all(), lv
 
