@@ -10,7 +10,7 @@
   (``silu_mul.cpp``) at amx (tile products), avx512 and avx2; decode/verify attention (``attention.cpp``) and
   the int8 GEMM and int8 draft forward (``int8_gemm.h``, ``int8_draft.cpp``) at every C++ level; the int4 GEMM
   (``int4_gemm.h``) at amx, avx512 and avx2; the GGUF block GEMMs (``qgemm.cpp``, an extension of its own per
-  level: ``qops``; at amx the k-quants on int8 activations of 12-16 rows or more run on tiles) at every C++ level.
+  level: ``qops``; at amx the k-quants on int8 activations of 12 rows or more run on tiles) at every C++ level.
   At the torch level the ops run their torch paths (oneDNN, SDPA, the int8 reference), which are correct on every
   CPU.
 - The switch: ``GRAPHSPEC_CPU`` = ``auto`` (default: the best level this CPU executes and this machine
@@ -65,7 +65,7 @@ _FLAGS = {
 KERNELS = {
     "amx": ("bf16 linear (AMX tiles, tdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)",
             "int4 GEMM (vpdpbusd)", "int8 draft forward", "GGUF block GEMMs (avx512's)",
-            "GGUF k-quants on int8 activations (AMX tiles, tdpbsud, from 12-16 rows)"),
+            "GGUF k-quants on int8 activations (AMX tiles, tdpbsud, from 12 rows)"),
     "avx512": ("bf16 linear (vdpbf16ps)", "bf16 silu_mul", "attention", "int8 GEMM (FMA)", "int4 GEMM (vpdpbusd)",
                "int8 draft forward", "GGUF block GEMMs (FMA)",
                "GGUF k-quants on int8 activations (16-row tiles, vpdpbusd)"),

@@ -1021,12 +1021,11 @@ void vector_passes(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, i
 // Every integer is exact (|x . L| <= 256 * 127 * 255), so S, and with tile_a8's fp32 steps every output, has the
 // avx512 bits whatever the row count. The second operands (L, H of 16 outputs, VNNI's layout, as the tiles hold the
 // quants) are built once per super-block and tile row, then multiply every 16-row chunk of x.
-// Measured on an Intel Xeon with AMX (perf/RESULTS.md): the tiles pay from 16 rows of x for Q4_K / Q5_K and 12 for
-// Q6_K, and a last part chunk of 8 (Q6_K: 2) rows or more is cheaper padded than on vectors.
-template <int T>
-constexpr int64_t kAmxMinRows = T == Q6_K ? 12 : 16;
-template <int T>
-constexpr int64_t kAmxMinTail = T == Q6_K ? 2 : 8;
+// Measured on an Intel Xeon with AMX, whole verifies of the Q4_K_M 1.5B (perf/RESULTS.md): the tiles pay from 12
+// rows of x; a last part chunk of 4 rows or more costs less padded than on vectors.
+constexpr int64_t kAmxMinRows = 12;
+constexpr int64_t kAmxMinTail = 4;
+constexpr int64_t kAmxPrefetch = 1;  // super-blocks ahead
 
 // sc of output o (16 bytes at p) in the 16-bit lanes 2o and 2o + 1: the lanes of a quad row's bytes of output o.
 template <bool is_signed>
@@ -1118,6 +1117,10 @@ void amx_tile_row(const uint8_t* __restrict t, int64_t nsb, const XA8& a, const 
   std::fill(acc, acc + mpad * kTileRows, 0.0f);
   const int64_t chunks = mpad / 16, pairs = (chunks + 1) / 2;
   for (int64_t b = 0; b < nsb; ++b, t += kTileBytes<T>) {
+    // The tile kAmxPrefetch super-blocks on (past the row's end: the next tile row's) is asked for now: the work
+    // between two tile reads is long enough that with the hardware prefetchers alone each read waited on memory.
+    for (int64_t o = 0; o < kTileBytes<T>; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(t + kAmxPrefetch * kTileBytes<T> + o), _MM_HINT_T0);
     amx_weights<T>(t, wl, wh);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kDOff<T>)));
     __m512 dmin = d;
@@ -1158,13 +1161,12 @@ void amx_tile_row(const uint8_t* __restrict t, int64_t nsb, const XA8& a, const 
   }
 }
 
-// The rows of x the tiles take (from kAmxMinRows<T>): whole 16-row chunks, and a last, part chunk of kAmxMinTail<T>
-// rows or more (padded); the rows after them take vector_passes, right after the tiles on the same tile row, which
-// is then in cache.
-template <int T>
-int64_t amx_rows(int64_t m) {
-  if (m < kAmxMinRows<T>) return 0;
-  return m % 16 >= kAmxMinTail<T> ? m : m - m % 16;
+// The rows of x the tiles take (from kAmxMinRows): whole 16-row chunks, and a last, part chunk of kAmxMinTail rows
+// or more (padded); the rows after them take vector_passes, right after the tiles on the same tile row, which is
+// then in cache.
+inline int64_t amx_rows(int64_t m) {
+  if (m < kAmxMinRows) return 0;
+  return m % 16 >= kAmxMinTail ? m : m - m % 16;
 }
 
 template <int T>
@@ -1212,7 +1214,7 @@ void run_a8(const float* x, int64_t m, int64_t k, const uint8_t* tiles, int64_t 
   XA8 a;
   quantize_a8<T>(x, m, k, a);
 #if GS_AMX
-  if (const int64_t mt = amx_rows<T>(m); mt > 0) return run_a8_amx<T>(a, m, mt, k, tiles, n, bias, y);
+  if (const int64_t mt = amx_rows(m); mt > 0) return run_a8_amx<T>(a, m, mt, k, tiles, n, bias, y);
 #endif
   const int64_t nsb = k / 256;
   const int64_t groups = (n + kTileRows - 1) / kTileRows;
