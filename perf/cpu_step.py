@@ -2,6 +2,7 @@
 
     .venv/bin/python perf/cpu_step.py [--model NAME] [--dtypes bf16 fp32] [--threads 2] [--reps 9]
     .venv/bin/python perf/cpu_step.py --model smollm2-135m-instruct --quantize int8 --dtypes bf16 --tokens 1 2
+    .venv/bin/python perf/cpu_step.py --weights gguf-a8 --tokens 1 16 32     # the GGUF blocks of the zoo's file
 
 For each dtype and weight layout ("packed": what ``prepare_weight`` gives, the default, which for
 bf16 at the CPU backend's amx, avx512 and avx2 levels is graphspec's own kernel (kernels/cpu/linear.cpp); "onednn": oneDNN's
@@ -9,7 +10,8 @@ packed layout; "plain": the same weights as plain tensors through ``F.linear``) 
 T = 1, 2, 4, 8 new tokens after 256 cached ones (``--context``) and prints the median milliseconds, the ratio
 to the one-token step (the cost of a speculative verify) and the one-token step's achieved
 bandwidth (weight bytes / time) next to the memory read bandwidth measured in the same run. With
-``--quantize int8`` (a draft as the CLI runs it) the layouts are the int8 forward in C++ and in TorchScript.
+``--quantize int8`` (a draft as the CLI runs it) the layouts are the int8 forward in C++ and in TorchScript;
+with ``--weights gguf`` / ``gguf-a8`` the model runs its GGUF file's blocks (layout "blocks") instead of --dtypes.
 Writes perf/results/cpu_step.json.
 """
 
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
                          "1 = unpadded); default: the library's setting only")
     ap.add_argument("--out", default="cpu_step.json",
                     help="a .json file name (under perf/results/) or a path with a folder")
+    ap.add_argument("--weights", default=None, choices=["gguf", "gguf-a8"],
+                    help="the model's GGUF blocks (fp32 or int8 activations) instead of --dtypes")
     args = ap.parse_args(argv)
     out = output_path(args.out)
 
@@ -86,11 +90,13 @@ def main(argv=None) -> int:
     bw = result["read_bandwidth"]["gbps_median"]
     print(f"# {result['machine'].get('cpu_model')} x{result['machine']['cpu_count']}, load "
           f"{result['machine'].get('loadavg')}, read bandwidth {bw:.1f} GB/s (median)", flush=True)
-    for dname in args.dtypes:
-        quantize = None if args.quantize == "none" else args.quantize
-        model = load_model(args.model, dtype=DTYPES[dname], quantize=quantize)
+    for dname in [args.weights] if args.weights else args.dtypes:
+        quantize = None if args.quantize == "none" or args.weights else args.quantize
+        model = (load_model(args.model, weights=args.weights) if args.weights
+                 else load_model(args.model, dtype=DTYPES[dname], quantize=quantize))
         nbytes = step_weight_bytes(model)
-        for layout in ([f"int8-{f}" for f in args.int8_forwards] if quantize else args.layouts):
+        layouts = ["blocks"] if args.weights else [f"int8-{f}" for f in args.int8_forwards] if quantize else args.layouts
+        for layout in layouts:
             if layout in ("plain", "onednn"):
                 relayout(model, layout)
             if quantize:
