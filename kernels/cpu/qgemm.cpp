@@ -1027,51 +1027,62 @@ constexpr int64_t kAmxMinRows = 12;
 constexpr int64_t kAmxMinTail = 4;
 constexpr int64_t kAmxPrefetch = 1;  // super-blocks ahead
 
-// sc of output o (16 bytes at p) in the 16-bit lanes 2o and 2o + 1: the lanes of a quad row's bytes of output o.
+// The scales of 16 outputs (16 bytes at p, int8 if is_signed) for a quad row's 64 bytes, whose bytes 4o .. 4o + 3
+// are output o's: each sc as the byte multiplying the even bytes (se) and the odd ones (so) of vpmaddubsw's pairs,
+// and (Q6_K) 32 sc in the 16-bit lanes (sub).
 template <bool is_signed>
-GS_INLINE __m512i scale_words(const uint8_t* p) {
+GS_INLINE void scale_bytes(const uint8_t* p, __m512i& se, __m512i& so, __m512i& sub) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m512i d = is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
-  return _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16));
+  const __m512i b = _mm512_and_si512(d, _mm512_set1_epi32(0xFF));
+  se = _mm512_or_si512(b, _mm512_slli_epi32(b, 16));
+  so = _mm512_slli_epi16(se, 8);
+  if constexpr (is_signed) {  // sc as a 16-bit lane in both halves of each dword, times 32
+    const __m512i w = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16));
+    sub = _mm512_slli_epi16(w, 5);
+  }
 }
 
-// One quad row q (64 quants, int8 if is_signed) times its scales sw: the low bytes of the products to l, the high
-// bytes to h (16-bit products, even and odd bytes apart).
-template <bool is_signed>
-GS_INLINE void split_products(__m512i q, __m512i sw, uint8_t* l, uint8_t* h) {
-  const __m512i lo8 = _mm512_set1_epi16(0x00FF), hi8 = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
-  const __m512i qe = is_signed ? _mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8) : _mm512_and_si512(q, lo8);
-  const __m512i qo = is_signed ? _mm512_srai_epi16(q, 8) : _mm512_srli_epi16(q, 8);
-  const __m512i pe = _mm512_mullo_epi16(qe, sw), po = _mm512_mullo_epi16(qo, sw);
-  _mm512_store_si512(l, _mm512_or_si512(_mm512_and_si512(pe, lo8), _mm512_slli_epi16(po, 8)));
-  _mm512_store_si512(h, _mm512_or_si512(_mm512_srli_epi16(pe, 8), _mm512_and_si512(po, hi8)));
+// One quad row q (64 quants 0 .. 63) times its scales: p = sc q (q6: sc q - 32 sc = sc (q - 32)) for the even and
+// the odd bytes (vpmaddubsw with the other byte's scale 0), the low bytes of the products to l, the high ones to h.
+template <bool q6>
+GS_INLINE void split_products(__m512i q, __m512i se, __m512i so, __m512i sub, uint8_t* l, uint8_t* h) {
+  __m512i pe = _mm512_maddubs_epi16(q, se), po = _mm512_maddubs_epi16(q, so);
+  if constexpr (q6) {
+    pe = _mm512_sub_epi16(pe, sub);
+    po = _mm512_sub_epi16(po, sub);
+  }
+  const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
+  _mm512_store_si512(l, _mm512_mask_blend_epi8(odd, pe, _mm512_slli_epi16(po, 8)));
+  _mm512_store_si512(h, _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(pe, 8), po));
 }
 
 // Super-block t of a tile as the second operands: wl, wh [64 quads][16 outputs][4 bytes].
 template <int T>
 GS_INLINE void amx_weights(const uint8_t* __restrict t, uint8_t* __restrict wl, uint8_t* __restrict wh) {
   if constexpr (T == Q6_K) {
-    const __m512i k32 = _mm512_set1_epi8(32);
-    __m512i sw[16];
-    for (int g = 0; g < 16; ++g) sw[g] = scale_words<true>(t + sc_off<T>(g));
+    __m512i se[16], so[16], sub[16];
+    for (int g = 0; g < 16; ++g) scale_bytes<true>(t + sc_off<T>(g), se[g], so[g], sub[g]);
     for (int p = 0; p < 4; ++p)
       for (int i = 0; i < 4; ++i) {
         __m512i q[4];
         q6_quads(t, 4 * p + i, q);
         const int grp[4] = {p, p + 8, p + 4, p + 12};
         for (int e = 0; e < 4; ++e) {
-          const int row = 4 * grp[e] + i;
-          split_products<true>(_mm512_sub_epi8(q[e], k32), sw[grp[e]], wl + 64 * row, wh + 64 * row);
+          const int row = 4 * grp[e] + i, g = grp[e];
+          split_products<true>(q[e], se[g], so[g], sub[g], wl + 64 * row, wh + 64 * row);
         }
       }
   } else {
     for (int s = 0; s < 4; ++s) {  // sub-blocks s (low nibbles of runs 8s ..) and s + 4 (their high nibbles)
-      const __m512i sw0 = scale_words<false>(t + sc_off<T>(s)), sw1 = scale_words<false>(t + sc_off<T>(s + 4));
+      __m512i se0, so0, se1, so1, none = _mm512_setzero_si512();
+      scale_bytes<false>(t + sc_off<T>(s), se0, so0, none);
+      scale_bytes<false>(t + sc_off<T>(s + 4), se1, so1, none);
       for (int i = 0; i < 8; ++i) {
         __m512i lo, hi;
         k_quads<T>(t, s, i, lo, hi);
-        split_products<false>(lo, sw0, wl + 64 * (8 * s + i), wh + 64 * (8 * s + i));
-        split_products<false>(hi, sw1, wl + 64 * (8 * (s + 4) + i), wh + 64 * (8 * (s + 4) + i));
+        split_products<false>(lo, se0, so0, none, wl + 64 * (8 * s + i), wh + 64 * (8 * s + i));
+        split_products<false>(hi, se1, so1, none, wl + 64 * (8 * (s + 4) + i), wh + 64 * (8 * (s + 4) + i));
       }
     }
   }
