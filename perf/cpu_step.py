@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", default=None, choices=["gguf", "gguf-a8"],
                     help="the model's GGUF blocks (fp32 or int8 activations) instead of --dtypes")
     args = ap.parse_args(argv)
+    if args.weights and args.quantize != "none":
+        ap.error(f"--weights {args.weights} runs the GGUF file's own blocks; leave out --quantize {args.quantize}")
     out = output_path(args.out)
 
     import importlib
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
     print(f"# {result['machine'].get('cpu_model')} x{result['machine']['cpu_count']}, load "
           f"{result['machine'].get('loadavg')}, read bandwidth {bw:.1f} GB/s (median)", flush=True)
     for dname in [args.weights] if args.weights else args.dtypes:
-        quantize = None if args.quantize == "none" or args.weights else args.quantize
+        quantize = None if args.quantize == "none" else args.quantize
         model = (load_model(args.model, weights=args.weights) if args.weights
                  else load_model(args.model, dtype=DTYPES[dname], quantize=quantize))
         nbytes = step_weight_bytes(model)

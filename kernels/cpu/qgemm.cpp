@@ -925,6 +925,18 @@ float row_a8(const uint8_t* __restrict t, int r, int64_t nsb, const int8_t* xq, 
 }
 #endif
 
+// sums ([rows][16], tile row g's outputs for rows r0 .. r0 + rows - 1 of x) plus the bias, to y.
+GS_INLINE void store_tile_row(const float* sums, int64_t rows, int64_t r0, int64_t g, int64_t n, const float* bias,
+                              float* y) {
+  const int64_t cols = std::min<int64_t>(kTileRows, n - g * kTileRows);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t r = 0; r < cols; ++r) {
+      const int64_t j = g * kTileRows + r;
+      const float v = sums[i * kTileRows + r];
+      y[(r0 + i) * n + j] = bias ? v + bias[j] : v;
+    }
+}
+
 // Tile row g (16 weight rows) times rows r0 .. r0 + G - 1 of x.
 template <int T, int G>
 void tiles_pass(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, int64_t r0, int64_t g, int64_t n,
@@ -975,12 +987,7 @@ void tiles_pass(const uint8_t* tiles, int64_t nsb, const XA8& a, int64_t k, int6
   for (int m = 0; m < G; ++m)
     for (int r = 0; r < kTileRows; ++r) out[m][r] = row_a8<T>(t, r, nsb, xq[m], dx[m], xs[m]);
 #endif
-  const int64_t rows = std::min<int64_t>(kTileRows, n - g * kTileRows);
-  for (int m = 0; m < G; ++m)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t j = g * kTileRows + r;
-      y[(r0 + m) * n + j] = bias ? out[m][r] + bias[j] : out[m][r];
-    }
+  store_tile_row(&out[0][0], G, r0, g, n, bias, y);
 }
 
 // The most rows of x one pass over a tile row takes: at avx512, 6 (Q4_K / Q5_K) or 5 (Q6_K), past which the
@@ -1206,13 +1213,7 @@ void run_a8_amx(XA8& a, int64_t m, int64_t mt, int64_t k, const uint8_t* tiles, 
     std::vector<float> acc(static_cast<size_t>(mpad * kTileRows));
     for (int64_t g = g0; g < g1; ++g) {
       amx_tile_row<T>(tiles + g * nsb * kTileBytes<T>, nsb, a, xt.data(), mpad, wl, wh, c, acc.data());
-      const int64_t rows = std::min<int64_t>(kTileRows, n - g * kTileRows);
-      for (int64_t i = 0; i < mt; ++i)
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t j = g * kTileRows + r;
-          const float v = acc[i * kTileRows + r];
-          y[i * n + j] = bias ? v + bias[j] : v;
-        }
+      store_tile_row(acc.data(), mt, 0, g, n, bias, y);
       if (mt < m) vector_passes<T>(tiles, nsb, a, k, mt, m, g, n, bias, y);
     }
     _tile_release();
