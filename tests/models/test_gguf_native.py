@@ -115,7 +115,7 @@ def test_what_it_cannot_run_is_said(path):
 
 @pytest.mark.parametrize("weights", ["gguf", "gguf-a8"])
 def test_logits_keep_their_bits_at_any_thread_count(path, weights):
-    """The GEMMs split output rows and attention splits (row, head) items between the threads; nothing a row
+    """The GEMMs split output rows and attention splits (rows, kv head) items between the threads; nothing a row
     computes depends on the split, so greedy output does not change with --threads."""
     model = load_model(path, weights=weights)
     ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=torch.Generator().manual_seed(4))
@@ -135,3 +135,46 @@ def test_a_model_pinned_to_triton_keeps_its_kernels(path, monkeypatch):
     model = load_model(path, weights="gguf", backend="triton")
     assert model._native_model() is None
     assert load_model(path, weights="gguf")._native_model() is not None
+
+
+@pytest.mark.parametrize("weights", ["gguf", "gguf-a8"])
+def test_rows_of_a_long_verify_and_a_tree_are_their_own_steps_bits(path, weights):
+    """Attention takes a sequence's rows together (their common slots read once, layer_stack.h attend_rows), past
+    several 16-key blocks: each row of a causal verify and of a tree must still be the bits of its own one-token
+    steps, at 1 and 2 threads (what greedy speculation on a GGUF target rests on)."""
+    model = load_model(path, weights=weights)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 37), generator=g)
+    block = torch.randint(0, model.config.vocab_size, (1, 19), generator=g)
+
+    def steps(path_ids):  # the prompt, then path_ids one token at a time; every step's logits
+        cache = model.new_cache(96)
+        model.step(prompt, cache, logits_for="last")
+        return torch.cat([model.step(path_ids[:, i:i + 1], cache) for i in range(path_ids.shape[1])], dim=1)
+
+    chain = steps(block)
+    # rows 0-9 a chain; row 10 + j a second child of row j, so the rows share the prompt and row 0 only
+    parents = list(range(-1, 9)) + list(range(9))
+    tree = torch.zeros(19, 19, dtype=torch.bool)
+    depth = []
+    for r, p in enumerate(parents):
+        tree[r, r], d = True, 0
+        while p >= 0:
+            tree[r, p], p, d = True, parents[p], d + 1
+        depth.append(d)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cache = model.new_cache(96)
+            model.step(prompt, cache, logits_for="last")
+            assert torch.equal(model.step(block, cache), chain)
+            cache = model.new_cache(96)
+            model.step(prompt, cache, logits_for="last")
+            out = model.step(block, cache, positions=37 + torch.tensor([depth]), tree=tree)
+            assert torch.equal(out[:, :10], chain[:, :10])
+            for j in range(9):
+                alone = steps(torch.cat([block[:, :j + 1], block[:, 10 + j:11 + j]], dim=1))
+                assert torch.equal(out[:, 10 + j], alone[:, -1]), j
+    finally:
+        torch.set_num_threads(before)
