@@ -11,8 +11,9 @@
 // ancestors and itself); rope from the caller's cos / signed-sin tables, so any positions. Every row's result
 // depends on its own row and its sequence's cache only (norms, rope and attention run per row, in one order;
 // the GEMMs must be row-exact too), so a sequence gets the same bits alone, with more rows, and among others.
-// At avx512, attention takes a sequence's rows together per kv head (attend_rows: each cached key and value
-// read once for all of them, vector softmax, register-tiled p v), each row still by its own operations.
+// Attention takes a sequence's rows together per kv head, each cached key and value read once for all of them
+// (attend_rows_plain; at avx512 attend_rows, with a vector softmax and register-tiled p v), each row still by its
+// own operations.
 // The fp32 sums run in another order than torch's and exp is a polynomial (relative error < 3e-7): the logits
 // are not the general (torch) forward's bits, and the tests compare them with a tolerance.
 #pragma once
@@ -228,43 +229,76 @@ struct LayerStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(wqkv.size()); }
 
-  // The g query heads of one row that share kv head kvh (q: g rows of [D], one after another) over the cache
-  // slots slot[0 .. n) of that kv head ([S, hk, D] rows of k and v), into out [g, D]; scores: g * n floats of
-  // scratch. Each key and value row is read once for the g heads (their dot products are independent, so they
-  // overlap instead of each waiting on its own FMA chain); each head's operations, and their order, are those of
-  // one head alone, so its bits do not depend on g or on the thread that runs it.
-  void attend_group(const float* q, int64_t g, const float* kb, const float* vb, int64_t kvh, float* out,
-                    float* scores, const int64_t* slot, int64_t n) const {
-    const int64_t D = d, row = hk * D;
-    const float sc = static_cast<float>(scale);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* kr = kb + slot[i] * row + kvh * D;
-      for (int64_t h = 0; h < g; ++h) scores[h * n + i] = dot_f32(q + h * D, kr, D) * sc;
+  // Rows t0 .. t1 - 1 of segment sg: `shared`, the length of the slot list they all begin with (they attend to
+  // those slots first, in that order), and `most`, the longest list.
+  template <class Seg>
+  void common_slots(const Seg& sg, int64_t t0, int64_t t1, int64_t& shared, int64_t& most) const {
+    const int64_t* sl0 = sg.slots.data() + t0 * sg.len;
+    shared = most = sg.counts[t0];
+    for (int64_t t = t0 + 1; t < t1; ++t) {
+      const int64_t* st = sg.slots.data() + t * sg.len;
+      const int64_t c = std::min(shared, sg.counts[t]);
+      int64_t j = 0;
+      while (j < c && st[j] == sl0[j]) ++j;
+      shared = j;
+      most = std::max(most, sg.counts[t]);
     }
-    for (int64_t h = 0; h < g; ++h) {
-      float* sh = scores + h * n;
+  }
+
+  // Rows t0 .. t1 - 1 of segment sg with their g query heads of kv head kvh, layer i (every level): each key and
+  // value row of the slots the rows share is read once for all of them (their dot products are independent, so
+  // they overlap instead of each waiting on its own FMA chain). Each query's operations, and their order, are
+  // those of the row alone (dot_f32 per key, the softmax over its slots in order, p v added key by key), so its
+  // bits do not depend on the other rows, on g or on the thread that runs it.
+  template <class Seg>
+  void attend_rows_plain(const Seg& sg, int64_t t0, int64_t t1, int64_t kvh, int64_t i, const float* qp, float* ap,
+                         std::vector<float>& buf) const {
+    const int64_t D = d, g = hq / hk, row = hk * D, len = sg.len, nq = (t1 - t0) * g;
+    const float* kb = sg.k[i] + kvh * D;
+    const float* vb = sg.v[i] + kvh * D;
+    const int64_t* sl0 = sg.slots.data() + t0 * len;
+    int64_t shared, most;
+    common_slots(sg, t0, t1, shared, most);
+    buf.resize(nq * most);
+    float* S = buf.data();
+    const float sc = static_cast<float>(scale);
+    auto head = [&](int64_t qi) { return ((sg.row0 + t0 + qi / g) * hq + kvh * g + qi % g) * D; };
+    for (int64_t j = 0; j < shared; ++j) {
+      const float* kr = kb + sl0[j] * row;
+      for (int64_t qi = 0; qi < nq; ++qi) S[qi * most + j] = dot_f32(qp + head(qi), kr, D) * sc;
+    }
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = shared; j < sg.counts[t]; ++j) {
+        const float* kr = kb + sg.slots[t * len + j] * row;
+        for (int64_t qi = (t - t0) * g; qi < (t - t0 + 1) * g; ++qi) S[qi * most + j] = dot_f32(qp + head(qi), kr, D) * sc;
+      }
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      float* sh = S + qi * most;
+      const int64_t n = sg.counts[t0 + qi / g];
       float mx = -INFINITY;
-      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sh[i]);
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) {
-        sh[i] = fast_exp(sh[i] - mx);
-        sum += sh[i];
+      for (int64_t j = 0; j < n; ++j) {
+        sh[j] = fast_exp(sh[j] - mx);
+        sum += sh[j];
       }
       const float inv = 1.f / sum;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+      for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
+      std::fill(ap + head(qi), ap + head(qi) + D, 0.f);
     }
-    std::fill(out, out + g * D, 0.f);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* vh = vb + slot[i] * row + kvh * D;
-      for (int64_t h = 0; h < g; ++h) {
-        const float p = scores[h * n + i];
-        float* oh = out + h * D;
+    auto add = [&](const float* vr, int64_t qi, int64_t j) {
+      const float p = S[qi * most + j];
+      float* oh = ap + head(qi);
 #pragma omp simd
-        for (int64_t j = 0; j < D; ++j) oh[j] += p * vh[j];
-      }
-    }
+      for (int64_t c = 0; c < D; ++c) oh[c] += p * vr[c];
+    };
+    for (int64_t j = 0; j < shared; ++j)
+      for (int64_t qi = 0; qi < nq; ++qi) add(vb + sl0[j] * row, qi, j);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = shared; j < sg.counts[t]; ++j)
+        for (int64_t qi = (t - t0) * g; qi < (t - t0 + 1) * g; ++qi) add(vb + sg.slots[t * len + j] * row, qi, j);
   }
 
 #if GS_AVX512
@@ -281,15 +315,8 @@ struct LayerStack {
     const float* kb = sg.k[i] + kvh * D;
     const float* vb = sg.v[i] + kvh * D;
     const int64_t* sl0 = sg.slots.data() + t0 * len;
-    int64_t shared = sg.counts[t0], most = sg.counts[t0];  // the slots every row attends to first, in order
-    for (int64_t t = t0 + 1; t < t1; ++t) {
-      const int64_t* st = sg.slots.data() + t * len;
-      const int64_t c = std::min(shared, sg.counts[t]);
-      int64_t j = 0;
-      while (j < c && st[j] == sl0[j]) ++j;
-      shared = j;
-      most = std::max(most, sg.counts[t]);
-    }
+    int64_t shared, most;
+    common_slots(sg, t0, t1, shared, most);
     const int64_t ld = (most + 15) / 16 * 16;
     buf.resize(nq * ld + D);
     float* S = buf.data();
@@ -420,19 +447,12 @@ struct LayerStack {
   at::Tensor run(const at::Tensor& h_in, const at::Tensor& cos_t, const at::Tensor& sin_t, std::vector<Segment>& segs,
                  const W& head, const at::Tensor& picked, const Gemm& gemm) const {
     const int64_t H = hidden, D = d, half = D / 2, L = num_layers(), BT = h_in.size(0);
-    int64_t max_len = 1;
-    for (const Segment& sg : segs) max_len = std::max(max_len, sg.len);
     at::Tensor h = h_in.to(at::kFloat).reshape({BT, H}).clone();  // the residual stream, updated in place
     at::Tensor xn = at::empty({BT, H}, h.options());
     at::Tensor att = at::empty({BT, hq * D}, h.options());
     at::Tensor qr = at::empty({BT, hq * D}, h.options());  // the rows' queries after rope
     float* qp = qr.data_ptr<float>();
-    std::vector<int64_t> row_seg(BT);  // each row's segment
-    for (size_t sgi = 0; sgi < segs.size(); ++sgi)
-      for (int64_t t = 0; t < segs[sgi].T; ++t) row_seg[segs[sgi].row0 + t] = static_cast<int64_t>(sgi);
-    const int64_t group = hq / hk;
-#if GS_AVX512
-    // attend_rows' items: each sequence's rows per kv head, in as many parts as keep the threads busy.
+    // attention's items: each sequence's rows per kv head, in as many parts as keep the threads busy.
     struct AttendItem {
       int64_t seg, kvh, t0, t1;
     };
@@ -444,7 +464,6 @@ struct LayerStack {
         for (int64_t part = 0; part < parts; ++part)
           items.push_back({static_cast<int64_t>(sgi), kvh, T * part / parts, T * (part + 1) / parts});
     }
-#endif
     float* hp = h.data_ptr<float>();
     float* xp = xn.data_ptr<float>();
     float* ap = att.data_ptr<float>();
@@ -490,28 +509,19 @@ struct LayerStack {
           }
         }
       }
+      // each sequence's rows per kv head (an item), the items split between the threads: a row's bits do not
+      // depend on the split
+      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf;
+        for (int64_t it = begin; it < end; ++it) {
+          const AttendItem& a = items[it];
 #if GS_AVX512
-      if (D % 16 == 0) {  // the rows of a sequence together per kv head (attend_rows), the items split between threads
-        at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-          std::vector<float> buf;
-          for (int64_t it = begin; it < end; ++it) {
-            const AttendItem& a = items[it];
+          if (D % 16 == 0) {
             attend_rows(segs[a.seg], a.t0, a.t1, a.kvh, i, qp, ap, buf);
+            continue;
           }
-        });
-      } else
 #endif
-      // every (row, kv head) with its group of q heads on its own, split between the threads: a row's bits do
-      // not depend on the split
-      at::parallel_for(0, BT * hk, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(group * max_len);
-        for (int64_t item = begin; item < end; ++item) {
-          const int64_t r = item / hk, kvh = item % hk;
-          const Segment& sg = segs[row_seg[r]];
-          const int64_t t = r - sg.row0;
-          const int64_t first = r * hq + kvh * group;  // the group's first (row, q head)
-          attend_group(qp + first * D, group, sg.k[i], sg.v[i], kvh, ap + first * D, scores.data(),
-                       sg.slots.data() + t * sg.len, sg.counts[t]);
+          attend_rows_plain(segs[a.seg], a.t0, a.t1, a.kvh, i, qp, ap, buf);
         }
       });
       at::Tensor o = gemm(wo[i], att, false);
