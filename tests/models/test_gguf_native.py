@@ -141,7 +141,8 @@ def test_a_model_pinned_to_triton_keeps_its_kernels(path, monkeypatch):
 def test_rows_of_a_long_verify_and_a_tree_are_their_own_steps_bits(path, weights):
     """Attention takes a sequence's rows together (their common slots read once, layer_stack.h attend_rows), past
     several 16-key blocks: each row of a causal verify and of a tree must still be the bits of its own one-token
-    steps, at 1 and 2 threads (what greedy speculation on a GGUF target rests on)."""
+    steps, at 1, 2 and 3 threads (3: more threads than kv heads, so a sequence's rows are split between them;
+    what greedy speculation on a GGUF target rests on)."""
     model = load_model(path, weights=weights)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, model.config.vocab_size, (1, 37), generator=g)
@@ -164,7 +165,7 @@ def test_rows_of_a_long_verify_and_a_tree_are_their_own_steps_bits(path, weights
         depth.append(d)
     before = torch.get_num_threads()
     try:
-        for n in (1, 2):
+        for n in (1, 2, 3):
             torch.set_num_threads(n)
             cache = model.new_cache(96)
             model.step(prompt, cache, logits_for="last")
