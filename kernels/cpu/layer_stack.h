@@ -12,8 +12,7 @@
 // depends on its own row and its sequence's cache only (norms, rope and attention run per row, in one order;
 // the GEMMs must be row-exact too), so a sequence gets the same bits alone, with more rows, and among others.
 // Attention takes a sequence's rows together per kv head, each cached key and value read once for all of them
-// (attend_rows_plain; at avx512 attend_rows, with a vector softmax and register-tiled p v), each row still by its
-// own operations.
+// (attend_rows: at avx512 and avx2 vec16.h's softmax and register-tiled p v), each row still by its own operations.
 // The fp32 sums run in another order than torch's and exp is a polynomial (relative error < 3e-7): the logits
 // are not the general (torch) forward's bits, and the tests compare them with a tolerance.
 #pragma once
@@ -31,6 +30,7 @@
 
 #include "level.h"
 #include "native_math.h"
+#include "vec16.h"
 
 namespace graphspec_native {
 // Internal linkage: each extension (one per level and file set, some built with -ffp-contract=off) keeps its own
@@ -70,101 +70,6 @@ inline float dot_f32(const float* q, const float* k, int64_t D) {
   for (int64_t j = 0; j < D; ++j) acc += q[j] * k[j];
   return acc;
 }
-
-#if GS_AVX512
-// avx512 attention helpers (LayerStack::attend_rows). Every score, softmax weight and output element is computed
-// by the same instructions in the same order whatever the other keys, rows or heads that share its block, so a
-// row's bits do not depend on T, on the mask's other rows or on the threads.
-
-// 16 vectors v[j] -> one vector whose lane j is the sum of v[j]'s 16 lanes, every lane by the same tree:
-// within each 128-bit chunk (e0 + e2) + (e1 + e3), then the chunks (c0 + c2) + (c1 + c3).
-inline __m512 sum16x16(const __m512* v) {
-  __m512 w[4];
-  for (int b = 0; b < 4; ++b) {
-    const __m512 a0 = v[4 * b], a1 = v[4 * b + 1], a2 = v[4 * b + 2], a3 = v[4 * b + 3];
-    const __m512 u01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 u23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    w[b] = _mm512_add_ps(_mm512_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));  // chunk c: s_c of keys 4b..4b+3
-  }
-  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// fast_exp (native_math.h) on 16 lanes: the same steps, as vector operations.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                      _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-06f)));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-// out[q][c * 16 ..] for NQ queries and NC 16-float chunks of the head: the sums held in `out` (or none when
-// fresh), then p[q][i] * v(i) added for i = i0 .. i1 - 1 in turn (one fused multiply-add each), stored to out.
-template <int NQ, int NC>
-inline void pv_tile(const float* const* p, float* const* out, bool fresh, const float* vb, int64_t row,
-                    const int64_t* slot, int64_t i0, int64_t i1) {
-  __m512 acc[NQ][NC];
-  for (int q = 0; q < NQ; ++q)
-    for (int c = 0; c < NC; ++c) acc[q][c] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(out[q] + 16 * c);
-  for (int64_t i = i0; i < i1; ++i) {
-    const float* vr = vb + slot[i] * row;
-    __m512 v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
-    for (int q = 0; q < NQ; ++q) {
-      const __m512 pq = _mm512_set1_ps(p[q][i]);
-      for (int c = 0; c < NC; ++c) acc[q][c] = _mm512_fmadd_ps(pq, v[c], acc[q][c]);
-    }
-  }
-  for (int q = 0; q < NQ; ++q)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out[q] + 16 * c, acc[q][c]);
-}
-
-template <int NQ>
-inline void pv_any(int nc, const float* const* p, float* const* out, bool fresh, const float* vb, int64_t row,
-                   const int64_t* slot, int64_t i0, int64_t i1) {
-  switch (nc) {
-    case 1: pv_tile<NQ, 1>(p, out, fresh, vb, row, slot, i0, i1); return;
-    case 2: pv_tile<NQ, 2>(p, out, fresh, vb, row, slot, i0, i1); return;
-    case 3: pv_tile<NQ, 3>(p, out, fresh, vb, row, slot, i0, i1); return;
-    default: pv_tile<NQ, 4>(p, out, fresh, vb, row, slot, i0, i1); return;
-  }
-}
-
-// Up to 6 queries x up to 4 chunks (24 sums of the 32 zmm registers) over the whole head, chunk group by group.
-inline void pv_queries(int nq, int64_t D, const float* const* p, float* const* out, bool fresh, const float* vb,
-                       int64_t row, const int64_t* slot, int64_t i0, int64_t i1) {
-  for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
-    const int nc = static_cast<int>(std::min<int64_t>(4, D / 16 - c0));
-    float* o[6];
-    for (int q = 0; q < nq; ++q) o[q] = out[q] + 16 * c0;
-    const float* vbc = vb + 16 * c0;
-    switch (nq) {
-      case 1: pv_any<1>(nc, p, o, fresh, vbc, row, slot, i0, i1); break;
-      case 2: pv_any<2>(nc, p, o, fresh, vbc, row, slot, i0, i1); break;
-      case 3: pv_any<3>(nc, p, o, fresh, vbc, row, slot, i0, i1); break;
-      case 4: pv_any<4>(nc, p, o, fresh, vbc, row, slot, i0, i1); break;
-      case 5: pv_any<5>(nc, p, o, fresh, vbc, row, slot, i0, i1); break;
-      default: pv_any<6>(nc, p, o, fresh, vbc, row, slot, i0, i1); break;
-    }
-  }
-}
-#endif  // GS_AVX512
 
 // W: a handle to one GEMM weight (c10::intrusive_ptr of a class with in_features() and out_features()); the
 // GEMM itself is the functor every forward takes: gemm(const W& w, const at::Tensor& x [rows, K] fp32,
@@ -245,14 +150,15 @@ struct LayerStack {
     }
   }
 
-  // Rows t0 .. t1 - 1 of segment sg with their g query heads of kv head kvh, layer i (every level): each key and
-  // value row of the slots the rows share is read once for all of them (their dot products are independent, so
-  // they overlap instead of each waiting on its own FMA chain). Each query's operations, and their order, are
-  // those of the row alone (dot_f32 per key, the softmax over its slots in order, p v added key by key), so its
-  // bits do not depend on the other rows, on g or on the thread that runs it.
+  // Rows t0 .. t1 - 1 of segment sg with their g query heads of kv head kvh, layer i: each key and value row of
+  // the slots the rows share is read once for all of them, then each row's own slots. Every query's operations,
+  // and their order, are those of the row alone (its scores key by key, the softmax over its slots in order, p v
+  // added key by key from its stored sums), so its bits do not depend on the other rows, on g or on the thread
+  // that runs it. With head dims that are a multiple of 16 (up to 256) at avx512 / avx2: vec16.h's lanes (scores
+  // as fused multiply-adds over the head then sum16, softmax16, p v in register tiles); else scalar loops.
   template <class Seg>
-  void attend_rows_plain(const Seg& sg, int64_t t0, int64_t t1, int64_t kvh, int64_t i, const float* qp, float* ap,
-                         std::vector<float>& buf) const {
+  void attend_rows(const Seg& sg, int64_t t0, int64_t t1, int64_t kvh, int64_t i, const float* qp, float* ap,
+                   std::vector<float>& buf, std::vector<const float*>& pw, std::vector<float*>& po) const {
     const int64_t D = d, g = hq / hk, row = hk * D, len = sg.len, nq = (t1 - t0) * g;
     const float* kb = sg.k[i] + kvh * D;
     const float* vb = sg.v[i] + kvh * D;
@@ -263,18 +169,41 @@ struct LayerStack {
     float* S = buf.data();
     const float sc = static_cast<float>(scale);
     auto head = [&](int64_t qi) { return ((sg.row0 + t0 + qi / g) * hq + kvh * g + qi % g) * D; };
-    for (int64_t j = 0; j < shared; ++j) {
-      const float* kr = kb + sl0[j] * row;
-      for (int64_t qi = 0; qi < nq; ++qi) S[qi * most + j] = dot_f32(qp + head(qi), kr, D) * sc;
-    }
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = shared; j < sg.counts[t]; ++j) {
-        const float* kr = kb + sg.slots[t * len + j] * row;
-        for (int64_t qi = (t - t0) * g; qi < (t - t0 + 1) * g; ++qi) S[qi * most + j] = dot_f32(qp + head(qi), kr, D) * sc;
+#if GS_AVX512 || GS_AVX2
+    constexpr int64_t kMaxChunks = 16;
+    const bool vec = D % 16 == 0 && D / 16 <= kMaxChunks;
+#else
+    const bool vec = false;
+#endif
+    // the scores of key j (a slot) for queries q0 .. q1 - 1
+    auto score = [&](const float* kr, int64_t j, int64_t q0, int64_t q1) {
+#if GS_AVX512 || GS_AVX2
+      if (vec) {
+        V16 kv[kMaxChunks];
+        for (int64_t x = 0; x < D / 16; ++x) kv[x] = load16(kr + 16 * x);
+        for (int64_t qi = q0; qi < q1; ++qi) {
+          const float* q = qp + head(qi);
+          V16 s = mul16(kv[0], load16(q));
+          for (int64_t x = 1; x < D / 16; ++x) s = fmadd16(kv[x], load16(q + 16 * x), s);
+          S[qi * most + j] = sum16(s) * sc;
+        }
+        return;
       }
+#endif
+      for (int64_t qi = q0; qi < q1; ++qi) S[qi * most + j] = dot_f32(qp + head(qi), kr, D) * sc;
+    };
+    for (int64_t j = 0; j < shared; ++j) score(kb + sl0[j] * row, j, 0, nq);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = shared; j < sg.counts[t]; ++j) score(kb + sg.slots[t * len + j] * row, j, (t - t0) * g, (t - t0 + 1) * g);
     for (int64_t qi = 0; qi < nq; ++qi) {
       float* sh = S + qi * most;
       const int64_t n = sg.counts[t0 + qi / g];
+#if GS_AVX512 || GS_AVX2
+      if (vec) {
+        softmax16(sh, n);
+        continue;
+      }
+#endif
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sh[j]);
       float sum = 0.f;
@@ -286,8 +215,24 @@ struct LayerStack {
       const float inv = 1.f / sum;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) sh[j] *= inv;
-      std::fill(ap + head(qi), ap + head(qi) + D, 0.f);
     }
+#if GS_AVX512 || GS_AVX2
+    if (vec) {
+      pw.resize(nq);
+      po.resize(nq);
+      for (int64_t qi = 0; qi < nq; ++qi) {
+        pw[qi] = S + qi * most;
+        po[qi] = ap + head(qi);
+      }
+      pv_queries<float>(vb, row, sl0, 0, shared, nq, pw.data(), po.data(), true, D);  // the common slots
+      for (int64_t t = t0; t < t1; ++t)  // each row's own slots after them
+        if (sg.counts[t] > shared)
+          pv_queries<float>(vb, row, sg.slots.data() + t * len, shared, sg.counts[t], g, pw.data() + (t - t0) * g,
+                            po.data() + (t - t0) * g, false, D);
+      return;
+    }
+#endif
+    for (int64_t qi = 0; qi < nq; ++qi) std::fill(ap + head(qi), ap + head(qi) + D, 0.f);
     auto add = [&](const float* vr, int64_t qi, int64_t j) {
       const float p = S[qi * most + j];
       float* oh = ap + head(qi);
@@ -300,96 +245,6 @@ struct LayerStack {
       for (int64_t j = shared; j < sg.counts[t]; ++j)
         for (int64_t qi = (t - t0) * g; qi < (t - t0 + 1) * g; ++qi) add(vb + sg.slots[t * len + j] * row, qi, j);
   }
-
-#if GS_AVX512
-  // avx512, a head size that is a multiple of 16: rows t0 .. t1 - 1 of segment sg with their g query heads of kv
-  // head kvh, layer i, together, so each key and value row of their shared slots is read once for all of them.
-  // Scores: 16 keys at a time, each a fused multiply-add chain over the head in 16 lanes, then sum16x16's tree.
-  // Softmax: exp16, the sum in 16 lanes over the keys in turn, then _mm512_reduce_add_ps. Output: p v added key
-  // by key in turn (pv_tile), over the rows' common slots first, then each row's own, from its stored sums. A
-  // row's bits are those of the row alone (the same operations in the same order), whatever rows share the call.
-  template <class Seg>
-  void attend_rows(const Seg& sg, int64_t t0, int64_t t1, int64_t kvh, int64_t i, const float* qp, float* ap,
-                   std::vector<float>& buf) const {
-    const int64_t D = d, g = hq / hk, row = hk * D, len = sg.len, nq = (t1 - t0) * g;
-    const float* kb = sg.k[i] + kvh * D;
-    const float* vb = sg.v[i] + kvh * D;
-    const int64_t* sl0 = sg.slots.data() + t0 * len;
-    int64_t shared, most;
-    common_slots(sg, t0, t1, shared, most);
-    const int64_t ld = (most + 15) / 16 * 16;
-    buf.resize(nq * ld + D);
-    float* S = buf.data();
-    float* zero = S + nq * ld;  // the key of a block's missing lanes
-    std::fill(zero, zero + D, 0.f);
-    const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
-    auto head = [&](int64_t qi) { return ((sg.row0 + t0 + qi / g) * hq + kvh * g + qi % g) * D; };
-    // scores of keys slot[i0 .. i0 + nk) (nk <= 16) for queries q0 .. q1 - 1
-    auto scores = [&](const int64_t* slot, int64_t i0, int64_t nk, int64_t q0, int64_t q1) {
-      const float* kr[16];
-      for (int64_t j = 0; j < 16; ++j) kr[j] = j < nk ? kb + slot[i0 + j] * row : zero;
-      const __mmask16 m = static_cast<__mmask16>(nk >= 16 ? 0xFFFF : (1u << nk) - 1);
-      for (int64_t qi = q0; qi < q1; ++qi) {
-        const float* q = qp + head(qi);
-        __m512 v[16];
-        for (int j = 0; j < 16; ++j) v[j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 16) {
-          const __m512 qc = _mm512_loadu_ps(q + c);
-          for (int j = 0; j < 16; ++j) v[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr[j] + c), v[j]);
-        }
-        _mm512_mask_storeu_ps(S + qi * ld + i0, m, _mm512_mul_ps(sum16x16(v), sc));
-      }
-    };
-    for (int64_t i0 = 0; i0 < shared; i0 += 16) scores(sl0, i0, std::min<int64_t>(16, shared - i0), 0, nq);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t i0 = shared; i0 < sg.counts[t]; i0 += 16)
-        scores(sg.slots.data() + t * len, i0, std::min<int64_t>(16, sg.counts[t] - i0), (t - t0) * g, (t - t0 + 1) * g);
-    for (int64_t qi = 0; qi < nq; ++qi) {
-      float* sq = S + qi * ld;
-      const int64_t n = sg.counts[t0 + qi / g];
-      __m512 mx = _mm512_set1_ps(-INFINITY);
-      for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        const __mmask16 m = static_cast<__mmask16>(n - i0 >= 16 ? 0xFFFF : (1u << (n - i0)) - 1);
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, sq + i0));
-      }
-      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        const __mmask16 m = static_cast<__mmask16>(n - i0 >= 16 ? 0xFFFF : (1u << (n - i0)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sq + i0), top)));
-        _mm512_mask_storeu_ps(sq + i0, m, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-      for (int64_t i0 = 0; i0 < n; i0 += 16) {
-        const __mmask16 m = static_cast<__mmask16>(n - i0 >= 16 ? 0xFFFF : (1u << (n - i0)) - 1);
-        _mm512_mask_storeu_ps(sq + i0, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sq + i0), inv));
-      }
-    }
-    const float* p[6];
-    float* o[6];
-    for (int64_t q0 = 0; q0 < nq; q0 += 6) {  // the common slots, 6 queries at a time
-      const int nt = static_cast<int>(std::min<int64_t>(6, nq - q0));
-      for (int j = 0; j < nt; ++j) {
-        p[j] = S + (q0 + j) * ld;
-        o[j] = ap + head(q0 + j);
-      }
-      pv_queries(nt, D, p, o, true, vb, row, sl0, 0, shared);
-    }
-    for (int64_t t = t0; t < t1; ++t) {  // each row's own slots after them
-      if (sg.counts[t] <= shared) continue;
-      for (int64_t h0 = 0; h0 < g; h0 += 6) {
-        const int nt = static_cast<int>(std::min<int64_t>(6, g - h0));
-        for (int j = 0; j < nt; ++j) {
-          const int64_t qi = (t - t0) * g + h0 + j;
-          p[j] = S + qi * ld;
-          o[j] = ap + head(qi);
-        }
-        pv_queries(nt, D, p, o, false, vb, row, sg.slots.data() + t * len, shared, sg.counts[t]);
-      }
-    }
-  }
-#endif
 
   // One sequence of a forward: its new rows [row0, row0 + T) of the stacked rows, its caches (per layer, the
   // base of its [capacity, hk, D] slots), the first slot its rows take, and the slots each row attends to.
@@ -513,15 +368,11 @@ struct LayerStack {
       // depend on the split
       at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf;
+        std::vector<const float*> pw;
+        std::vector<float*> po;
         for (int64_t it = begin; it < end; ++it) {
           const AttendItem& a = items[it];
-#if GS_AVX512
-          if (D % 16 == 0) {
-            attend_rows(segs[a.seg], a.t0, a.t1, a.kvh, i, qp, ap, buf);
-            continue;
-          }
-#endif
-          attend_rows_plain(segs[a.seg], a.t0, a.t1, a.kvh, i, qp, ap, buf);
+          attend_rows(segs[a.seg], a.t0, a.t1, a.kvh, i, qp, ap, buf, pw, po);
         }
       });
       at::Tensor o = gemm(wo[i], att, false);
