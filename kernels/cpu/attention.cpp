@@ -43,24 +43,6 @@ namespace {
 using namespace graphspec_native;  // vec16.h
 
 #if GS_AVX512
-// The 16 horizontal sums of a[0..15] in one vector, lane m = the sum of a[m], each by the very tree of
-// _mm512_reduce_add_ps (lanes i + 8, then i + 4, i + 2, i + 1): a key's score does not depend on where it falls in
-// a block of 16, and 15 adds serve 16 keys instead of 4 per key.
-inline __m512 sums16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int m = 0; m < 8; ++m)  // b[m]: keys 2m, 2m+1, lanes i + (i + 8) in each 256-bit half
-    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
-  for (int m = 0; m < 4; ++m)  // c[m]: 128-bit lane L holds key 4m + L, lanes i + (i + 4)
-    c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD));
-  for (int m = 0; m < 2; ++m)  // d[m], 128-bit lane L: key 8m + L's i + (i + 2), then key 8m + 4 + L's
-    d[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0x44), _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0xEE));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  // e's lane 4L + j holds key 4j + L: a 4x4 transpose puts the keys in order.
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
-}
-
 // bf16 scores, 16 keys at a time: each (head, key) dot is vdpbf16ps over pairs of bf16 (exact products, fp32
 // sums; 32 elements an instruction, no widening), then sums16. `qb` holds the g heads' q rows, each padded with
 // zeros to `cp` blocks of 32; `zero` is such a padded row of zeros, read in place of the keys past n.

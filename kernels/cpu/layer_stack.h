@@ -165,7 +165,8 @@ struct LayerStack {
     const int64_t* sl0 = sg.slots.data() + t0 * len;
     int64_t shared, most;
     common_slots(sg, t0, t1, shared, most);
-    buf.resize(nq * most);
+    buf.resize(nq * most + D);  // the scores, and a row of zeros
+    std::fill(buf.begin() + nq * most, buf.end(), 0.f);
     float* S = buf.data();
     const float sc = static_cast<float>(scale);
     auto head = [&](int64_t qi) { return ((sg.row0 + t0 + qi / g) * hq + kvh * g + qi % g) * D; };
@@ -175,26 +176,51 @@ struct LayerStack {
 #else
     const bool vec = false;
 #endif
-    // the scores of key j (a slot) for queries q0 .. q1 - 1
-    auto score = [&](const float* kr, int64_t j, int64_t q0, int64_t q1) {
-#if GS_AVX512 || GS_AVX2
-      if (vec) {
-        V16 kv[kMaxChunks];
-        for (int64_t x = 0; x < D / 16; ++x) kv[x] = load16(kr + 16 * x);
+    // the scores of keys slot[j0 .. j0 + nk) (nk <= 16) for queries q0 .. q1 - 1
+    auto score = [&](const int64_t* slot, int64_t j0, int64_t nk, int64_t q0, int64_t q1) {
+#if GS_AVX512
+      if (vec) {  // each key's fused multiply-adds over the head, then the 16 keys' sums16 together
+        const float* zero = S + nq * most;  // the keys past nk
+        const float* kr[16];
+        for (int64_t m = 0; m < 16; ++m) kr[m] = m < nk ? kb + slot[j0 + m] * row : zero;
+        const __m512 scv = _mm512_set1_ps(sc);
         for (int64_t qi = q0; qi < q1; ++qi) {
           const float* q = qp + head(qi);
-          V16 s = mul16(kv[0], load16(q));
-          for (int64_t x = 1; x < D / 16; ++x) s = fmadd16(kv[x], load16(q + 16 * x), s);
-          S[qi * most + j] = sum16(s) * sc;
+          __m512 acc[16];
+          const __m512 q0v = _mm512_loadu_ps(q);
+          for (int m = 0; m < 16; ++m) acc[m] = _mm512_mul_ps(_mm512_loadu_ps(kr[m]), q0v);
+          for (int64_t x = 16; x < D; x += 16) {
+            const __m512 qx = _mm512_loadu_ps(q + x);
+            for (int m = 0; m < 16; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(kr[m] + x), qx, acc[m]);
+          }
+          _mm512_mask_storeu_ps(S + qi * most + j0, static_cast<__mmask16>((1u << nk) - 1),
+                                _mm512_mul_ps(sums16(acc), scv));
         }
         return;
       }
 #endif
-      for (int64_t qi = q0; qi < q1; ++qi) S[qi * most + j] = dot_f32(qp + head(qi), kr, D) * sc;
+      for (int64_t j = j0; j < j0 + nk; ++j) {
+        const float* kr = kb + slot[j] * row;
+#if GS_AVX2
+        if (vec) {  // as attention.cpp's fp32 scores: the head's fused multiply-adds, then sum16
+          V16 kv[kMaxChunks];
+          for (int64_t x = 0; x < D / 16; ++x) kv[x] = load16(kr + 16 * x);
+          for (int64_t qi = q0; qi < q1; ++qi) {
+            const float* q = qp + head(qi);
+            V16 s = mul16(kv[0], load16(q));
+            for (int64_t x = 1; x < D / 16; ++x) s = fmadd16(kv[x], load16(q + 16 * x), s);
+            S[qi * most + j] = sum16(s) * sc;
+          }
+          continue;
+        }
+#endif
+        for (int64_t qi = q0; qi < q1; ++qi) S[qi * most + j] = dot_f32(qp + head(qi), kr, D) * sc;
+      }
     };
-    for (int64_t j = 0; j < shared; ++j) score(kb + sl0[j] * row, j, 0, nq);
+    for (int64_t j0 = 0; j0 < shared; j0 += 16) score(sl0, j0, std::min<int64_t>(16, shared - j0), 0, nq);
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = shared; j < sg.counts[t]; ++j) score(kb + sg.slots[t * len + j] * row, j, (t - t0) * g, (t - t0 + 1) * g);
+      for (int64_t j0 = shared; j0 < sg.counts[t]; j0 += 16)
+        score(sg.slots.data() + t * len, j0, std::min<int64_t>(16, sg.counts[t] - j0), (t - t0) * g, (t - t0 + 1) * g);
     for (int64_t qi = 0; qi < nq; ++qi) {
       float* sh = S + qi * most;
       const int64_t n = sg.counts[t0 + qi / g];
