@@ -333,14 +333,18 @@ struct LayerStack {
     at::Tensor att = at::empty({BT, hq * D}, h.options());
     at::Tensor qr = at::empty({BT, hq * D}, h.options());  // the rows' queries after rope
     float* qp = qr.data_ptr<float>();
-    // attention's items: each sequence's rows per kv head, in as many parts as keep the threads busy.
+    // attention's items: each sequence's rows per kv head, in as many parts as keep the threads busy and each
+    // part's scores (rows x heads x slots) within kScoreFloats, so that a long prefill's scratch stays small.
     struct AttendItem {
       int64_t seg, kvh, t0, t1;
     };
+    constexpr int64_t kScoreFloats = int64_t(1) << 20;
     std::vector<AttendItem> items;
     const int64_t threads = at::get_num_threads();
     for (size_t sgi = 0; sgi < segs.size(); ++sgi) {
-      const int64_t T = segs[sgi].T, parts = std::min(T, hk >= threads ? 1 : (threads + hk - 1) / hk);
+      const int64_t T = segs[sgi].T, per_row = (hq / hk) * segs[sgi].len;
+      const int64_t rows = std::max<int64_t>(1, kScoreFloats / per_row);
+      const int64_t parts = std::min(T, std::max(hk >= threads ? 1 : (threads + hk - 1) / hk, (T + rows - 1) / rows));
       for (int64_t kvh = 0; kvh < hk; ++kvh)
         for (int64_t part = 0; part < parts; ++part)
           items.push_back({static_cast<int64_t>(sgi), kvh, T * part / parts, T * (part + 1) / parts});

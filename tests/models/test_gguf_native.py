@@ -179,3 +179,15 @@ def test_rows_of_a_long_verify_and_a_tree_are_their_own_steps_bits(path, weights
                 assert torch.equal(out[:, 10 + j], alone[:, -1]), j
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_long_prefill_splits_its_rows_and_keeps_their_bits(tmp_path):
+    """Attention splits a sequence's rows into parts whose scores fit a bounded scratch (900 rows here: two parts);
+    the caches and logits must be those of the same prompt fed in two halves (one part each)."""
+    model = load_model(write_block_gguf(tmp_path / "long.gguf", "qwen2", context=1024), weights="gguf-a8")
+    ids = torch.randint(0, model.config.vocab_size, (1, 900), generator=torch.Generator().manual_seed(6))
+    whole, halves = model.new_cache(904), model.new_cache(904)
+    last = model.step(ids, whole, logits_for="last")
+    model.step(ids[:, :450], halves, logits_for="last")
+    assert torch.equal(model.step(ids[:, 450:], halves, logits_for="last"), last)
+    assert all(torch.equal(a[:, :900], b[:, :900]) for a, b in zip(whole.k + whole.v, halves.k + halves.v))

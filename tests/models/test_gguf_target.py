@@ -57,8 +57,9 @@ def _tensor(w, rng, name, shape, type_name, scale=0.05):
 
 
 def write_block_gguf(path: Path, arch: str = "qwen2", *, vocab: int = 40, seed: int = 0, embed: str = "Q8_0",
-                     output: str = "Q6_K", layer_types=LAYER_TYPES) -> Path:
-    """A 2-layer model (hidden 256) in the given block formats, as llama.cpp lays it out; ``vocab`` tokens."""
+                     output: str = "Q6_K", layer_types=LAYER_TYPES, context: int = 256) -> Path:
+    """A 2-layer model (hidden 256) in the given block formats, as llama.cpp lays it out; ``vocab`` tokens,
+    ``context`` positions."""
     rng = np.random.default_rng(seed)
     alphabet = byte_alphabet()
     tokens = [alphabet[b] for b in range(ord("a"), ord("a") + vocab - 3)] + ["<|endoftext|>", "<|im_start|>",
@@ -66,7 +67,7 @@ def write_block_gguf(path: Path, arch: str = "qwen2", *, vocab: int = 40, seed: 
     types = [1] * (vocab - 3) + [3, 3, 3]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
-    w.add_context_length(256)
+    w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
