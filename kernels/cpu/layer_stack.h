@@ -152,10 +152,11 @@ struct LayerStack {
 
   // Rows t0 .. t1 - 1 of segment sg with their g query heads of kv head kvh, layer i: each key and value row of
   // the slots the rows share is read once for all of them, then each row's own slots. Every query's operations,
-  // and their order, are those of the row alone (its scores key by key, the softmax over its slots in order, p v
-  // added key by key from its stored sums), so its bits do not depend on the other rows, on g or on the thread
-  // that runs it. With head dims that are a multiple of 16 (up to 256) at avx512 / avx2: vec16.h's lanes (scores
-  // as fused multiply-adds over the head then sum16, softmax16, p v in register tiles); else scalar loops.
+  // and their order, are those of the row alone (each score by one fixed sum tree over the head, the softmax over
+  // its slots in order, p v added key by key from its stored sums), so its bits do not depend on the other rows,
+  // on g or on the thread that runs it. With head dims that are a multiple of 16 (up to 256) at avx512 / avx2:
+  // vec16.h's lanes (fused multiply-adds over the head, then sums16 for 16 keys at once at avx512 or sum16 a key
+  // at avx2; softmax16; p v in register tiles); else scalar loops.
   template <class Seg>
   void attend_rows(const Seg& sg, int64_t t0, int64_t t1, int64_t kvh, int64_t i, const float* qp, float* ap,
                    std::vector<float>& buf, std::vector<const float*>& pw, std::vector<float*>& po) const {
