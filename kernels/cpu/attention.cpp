@@ -403,12 +403,7 @@ void attend_row(const T* q, int64_t q_head_stride, const T* k, const T* v, int64
       const T* ki = k + slot[i] * key_stride;
       V16 kv[kMaxChunks];
       for (int64_t x = 0; x < c; ++x) kv[x] = load16(ki + 16 * x);
-      for (int64_t h = 0; h < g; ++h) {
-        const float* qh = qf + h * d;
-        V16 s = mul16(kv[0], load16(qh));
-        for (int64_t x = 1; x < c; ++x) s = fmadd16(kv[x], load16(qh + 16 * x), s);
-        scores[h * n + i] = sum16(s) * scale;
-      }
+      for (int64_t h = 0; h < g; ++h) scores[h * n + i] = dot16(kv, qf + h * d, c) * scale;
     }
   } else
 #endif

@@ -203,15 +203,10 @@ struct LayerStack {
       for (int64_t j = j0; j < j0 + nk; ++j) {
         const float* kr = kb + slot[j] * row;
 #if GS_AVX2
-        if (vec) {  // as attention.cpp's fp32 scores: the head's fused multiply-adds, then sum16
+        if (vec) {  // as attention.cpp's fp32 scores
           V16 kv[kMaxChunks];
           for (int64_t x = 0; x < D / 16; ++x) kv[x] = load16(kr + 16 * x);
-          for (int64_t qi = q0; qi < q1; ++qi) {
-            const float* q = qp + head(qi);
-            V16 s = mul16(kv[0], load16(q));
-            for (int64_t x = 1; x < D / 16; ++x) s = fmadd16(kv[x], load16(q + 16 * x), s);
-            S[qi * most + j] = sum16(s) * sc;
-          }
+          for (int64_t qi = q0; qi < q1; ++qi) S[qi * most + j] = dot16(kv, qp + head(qi), D / 16) * sc;
           continue;
         }
 #endif
@@ -350,6 +345,13 @@ struct LayerStack {
         for (int64_t part = 0; part < parts; ++part)
           items.push_back({static_cast<int64_t>(sgi), kvh, T * part / parts, T * (part + 1) / parts});
     }
+    // each thread's scratch for attend_rows, kept across the layers (grown once, not allocated and zeroed a layer)
+    struct Scratch {
+      std::vector<float> buf;
+      std::vector<const float*> pw;
+      std::vector<float*> po;
+    };
+    std::vector<Scratch> scratch(threads);
     float* hp = h.data_ptr<float>();
     float* xp = xn.data_ptr<float>();
     float* ap = att.data_ptr<float>();
@@ -398,12 +400,10 @@ struct LayerStack {
       // each sequence's rows per kv head (an item), the items split between the threads: a row's bits do not
       // depend on the split
       at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> buf;
-        std::vector<const float*> pw;
-        std::vector<float*> po;
+        Scratch& sc = scratch.at(at::get_thread_num());
         for (int64_t it = begin; it < end; ++it) {
           const AttendItem& a = items[it];
-          attend_rows(segs[a.seg], a.t0, a.t1, a.kvh, i, qp, ap, buf, pw, po);
+          attend_rows(segs[a.seg], a.t0, a.t1, a.kvh, i, qp, ap, sc.buf, sc.pw, sc.po);
         }
       });
       at::Tensor o = gemm(wo[i], att, false);

@@ -115,6 +115,14 @@ constexpr bool kVector = false;
 #endif
 
 #if GS_AVX512 || GS_AVX2
+// A query's score against one key whose head (c chunks of 16) is in kv: the chunks' products added by fused
+// multiply-adds in order, then sum16's fixed tree.
+inline float dot16(const V16* kv, const float* q, int64_t c) {
+  V16 s = mul16(kv[0], load16(q));
+  for (int64_t x = 1; x < c; ++x) s = fmadd16(kv[x], load16(q + 16 * x), s);
+  return sum16(s);
+}
+
 // graphspec_native::fast_exp on 16 lanes, the same steps: clamp, n = floor(x log2 e + 1/2), r = x - n ln2 (two
 // parts), the degree-6 polynomial, times 2^n.
 inline V16 exp16(V16 x) {
