@@ -424,8 +424,13 @@ struct LayerStack {
       for (int64_t r = 0; r < BT; ++r) {
         const float* g = gp + r * 2 * I;
         float* a = actp + r * I;
+#if GS_AVX512 || GS_AVX2
+        // vec16.h's exp16: GCC leaves the loop below scalar at these flags (fast_exp's clamp, the division)
+        silu_mul16(g, g + I, a, I);
+#else
 #pragma omp simd
         for (int64_t j = 0; j < I; ++j) a[j] = g[j] / (1.f + fast_exp(-g[j])) * g[j + I];  // silu(gate) * up
+#endif
       }
       at::Tensor dn = gemm(w2[i], act, false);
       const float* dp = dn.data_ptr<float>();

@@ -35,6 +35,7 @@ inline V16 load16(const at::BFloat16* p) {
 inline V16 zero16() { return {_mm512_setzero_ps()}; }
 inline V16 set16(float x) { return {_mm512_set1_ps(x)}; }
 inline V16 mul16(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 div16(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline V16 fmadd16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float sum16(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
@@ -82,6 +83,7 @@ inline V16 load16(const at::BFloat16* p) {
 inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 set16(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V16 mul16(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 div16(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline V16 fmadd16(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline float sum16(V16 a) {  // (lo + hi), then halves of halves: a fixed order
   const __m256 s = _mm256_add_ps(a.lo, a.hi);
@@ -138,6 +140,19 @@ inline V16 exp16(V16 x) {
   p = fmadd16(p, r, set16(1.0f));
   p = fmadd16(p, r, set16(1.0f));
   return mul16(p, pow2i16(n));
+}
+
+// out[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u for j < n: 16 lanes at a time with exp16, the tail past the
+// last 16 in scalar steps with fast_exp. Elementwise, so a row's values do not depend on the other rows.
+inline void silu_mul16(const float* g, const float* u, float* out, int64_t n) {
+  const int64_t n16 = n - n % 16;
+  const V16 one = set16(1.f);
+  for (int64_t j = 0; j < n16; j += 16) {
+    const V16 x = load16(g + j);
+    const V16 e = exp16(sub16(zero16(), x));
+    store16(out + j, mul16(div16(x, add16(one, e)), load16(u + j)));
+  }
+  for (int64_t j = n16; j < n; ++j) out[j] = g[j] / (1.f + graphspec_native::fast_exp(-g[j])) * u[j];
 }
 
 // One head's scores -> softmax weights in place, 16 lanes at a time: a max over lanes, exp16, sums per lane then

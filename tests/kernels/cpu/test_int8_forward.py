@@ -102,3 +102,14 @@ def test_wide_tree_rows_equal_their_paths_fed_in_order(arch, tmp_path):
         n += len(LEVELS[lv])
     swapped = tree_levels(model, False, prompt, [LEVELS[0], [(3, 1), (5, 0), (8, 1)]])  # other parents
     assert (swapped[1] - tree_levels(model, False, prompt, LEVELS[:2])[1]).abs().max() > 1e-3  # the mask matters
+
+
+def test_lean_forward_with_an_mlp_width_past_whole_vectors(tmp_path):
+    """An intermediate size that is not a multiple of 16: the C++ silu(gate) * up runs 16 lanes at a time (avx512,
+    avx2) and its last 7 elements a row in scalar steps; both parts must give the general forward's logits."""
+    d = make_checkpoint(tmp_path, "llama", tokenizer=None, intermediate_size=16 * 7 + 7)
+    model = load_model(d, dtype=torch.float32, quantize="int8")
+    ids = torch.randint(0, model.config.vocab_size, (2, sum(CHUNKS)), generator=torch.Generator().manual_seed(2))
+    fast, general = _steps(model, True, ids), _steps(model, False, ids)
+    assert_rows_close(fast, general, ATOL)
+    assert general.abs().max() > 0.5
