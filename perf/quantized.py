@@ -2,14 +2,15 @@
 
     .venv/bin/python perf/quantized.py --threads 1 2              # Qwen2.5-Coder-1.5B Q4_K_M, 128 tokens
     .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft int8 --k 3
-    .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft int4 --k 4 --no-llamacpp
+    .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft gguf --k 5 --no-llamacpp
 
 For each thread count, in one run: llama.cpp's ``llama-bench`` tg<n> on the zoo's GGUF file itself (no
 requantization; perf/llamacpp.py builds it), graphspec's plain decoding of the same file with
 ``weights="gguf"`` (the GGUF's exact model: fp32 activations) and ``weights="gguf-a8"`` (the k-quants on int8
 activations, llama.cpp's arithmetic), each through the same code path as speculation with no draft, and
-graphspec's speculative decoding on each with the zoo's 0.5B as the draft (its GGUF in blocks, or
-``--draft int8``: its converted checkpoint with int8 weights), greedy, ``ignore_eos``; with ``--transformers``,
+graphspec's speculative decoding on each with the zoo's 0.5B as the draft, K = 3 by default (``--draft auto``, the
+default: its converted checkpoint with 4-bit draft steps where the CPU backend's level has the int4 GEMM, else int8
+weights, as docs/quantized.md recommends; ``--draft gguf``: its GGUF in blocks), greedy, ``ignore_eos``; with ``--transformers``,
 transformers' plain greedy ``generate`` on the same GGUF file too (transformers cannot run GGUF blocks: it
 dequantizes the file at load, here to bf16, its fastest CPU dtype, so it reads 3 GB a step where the blocks are
 1). Reported: tokens/s, the ratios measured in this run, and the bandwidth graphspec's plain decoding reached
@@ -95,14 +96,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=1, help="how many of perf/prompts.json (default 1)")
-    ap.add_argument("--k", type=int, default=5, help="draft tokens a step for the speculative run")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens a step for the speculative run")
     ap.add_argument("--weights", nargs="+", default=["gguf", "gguf-a8"], choices=["gguf", "gguf-a8"],
                     help="the target's weights: gguf (fp32 activations, the GGUF's exact model) and/or gguf-a8 "
                          "(the k-quants on int8 activations, as llama.cpp computes)")
-    ap.add_argument("--draft", default="gguf", choices=["gguf", "int8", "int4", "none"],
+    ap.add_argument("--draft", default="auto", choices=["auto", "gguf", "int8", "int4", "none"],
                     help="the 0.5B draft: its GGUF in blocks (gguf, with the target's --weights), the converted "
-                         "checkpoint with int8 weights (int8) or 4-bit draft steps (int4, AVX-512 VNNI), or no "
-                         "speculative run (none)")
+                         "checkpoint with int8 weights (int8) or 4-bit draft steps (int4: the amx, avx512 or avx2 "
+                         "level), auto (int4 where the level has it, else int8; the default), or no speculative "
+                         "run (none)")
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--transformers", action="store_true",
@@ -116,6 +118,10 @@ def main(argv=None) -> int:
     from graphspec.models.gguf_weights import gguf_file_for, weight_bytes
     from perf._common import machine_info
 
+    if args.draft == "auto":
+        from graphspec.kernels import cpu
+
+        args.draft = "int4" if cpu.have_int4() else "int8"
     targets = {w: load_model(TARGET, weights=w) for w in args.weights}
     drafts = {}
     for w in args.weights:
