@@ -2,8 +2,8 @@
 // forwards' layer loops (layer_stack.h): one zmm at avx512, two ymm at avx2 (`kVector` false elsewhere), the
 // same operations lane by lane; at avx512 sums16 (16 keys' horizontal sums at once, each by the tree of
 // _mm512_reduce_add_ps); exp16 and softmax16 (one query's scores to weights), and P @ V in register tiles
-// (pv_queries). Each level has its own fixed order of the sums, so a query's result depends only on its own
-// scores and keys.
+// (pv_queries); and the layer loops' silu(gate) * up (silu_mul16). Each level has its own fixed order of the sums,
+// so a query's result depends only on its own scores and keys.
 #pragma once
 
 #include <ATen/ATen.h>
