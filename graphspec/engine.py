@@ -521,16 +521,25 @@ class SpeculationPolicy:
         return self.choose_batch(max_k, [self.acceptance(accepted, proposed)] * max(running, 1))
 
     def position_rates(self, accepted_per_position: Sequence[int], proposed_per_position: Sequence[int],
-                       rested: int = 0) -> list[float]:
-        """A sequence's acceptance at each draft position (that a proposal there is kept, given it was made):
-        drafts grow less sure with depth, and a draft tree keeps more than a chain. The first position starts
+                       rested: int = 0, tested_per_position: Sequence[int] | None = None) -> list[float]:
+        """A sequence's acceptance at each draft position given the positions before it were kept (what
+        ``expected_tokens`` multiplies): ``accepted[i] / tested[i]``, where ``tested[i]`` counts the steps in which
+        the target judged position i (it was proposed and every position before it kept;
+        ``GenerationStats.tested_per_position``). Without those counts, ``min(proposed[i], accepted[i - 1])``
+        stands in (exact for chains that always reach their length). ``accepted[i] / proposed[i]`` would be the
+        chance that positions 0..i are all kept, and multiplying those undercounts every deeper position.
+
+        Drafts grow less sure with depth, and a draft tree keeps more than a chain. The first position starts
         from ``prior``, each later one from the position before it, so that positions a short draft never
         reached are expected to do as the deepest one measured (else they would stay at the prior and never
         be tried). ``rested``: plain steps the sequence has taken since it last drafted; each moves its rates a
         tenth of the way back to the prior, so that a sequence switched off by a few early misses is tried again
         (else its rates, no longer measured, would keep it off for good)."""
+        if tested_per_position is None or len(tested_per_position) < len(accepted_per_position):
+            tested_per_position = [p if i == 0 else min(p, accepted_per_position[i - 1])
+                                   for i, p in enumerate(proposed_per_position)]
         rates: list[float] = []
-        for a, n in zip(accepted_per_position, proposed_per_position):
+        for a, n in zip(accepted_per_position, tested_per_position):
             rates.append(self.acceptance(a, n, rates[-1] if rates else None))
         if rested:
             keep = 0.9 ** rested
@@ -650,51 +659,117 @@ class SpeculationPolicy:
 
 
 class AutoDraftLength:
-    """One sequence's draft length, chosen each step (``Pipeline(draft_length="auto")``, greedy runs): the k in
-    1..K with the most expected tokens per second of a step, ``expected_tokens(rates, k) / (k draft forwards +
-    a verify of k + 1 rows)``, from this machine's forward costs (a ``CostTable`` of rows 1..K + 1, timed once per
-    pipeline) and the sequence's acceptance per draft position over its recent steps.
+    """One sequence's draft length, chosen each step (``Pipeline(draft_length="auto")``, greedy runs): the cap k in
+    1..K with the most expected tokens per second of a step, from this machine's forward costs (a ``CostTable`` of
+    rows 1..K + 1, timed once per pipeline) and what the run's recent steps showed.
+
+    A step of cap k yields ``1 + sum_i P(depth i drafted) a_0 ... a_i`` tokens, ``a_i`` the acceptance at position i
+    given the positions before it were kept (``SpeculationPolicy.position_rates``). It costs the chain's expected
+    draft forwards (a draft with a confidence threshold ends its chain where it is unsure, so a cap is not a length:
+    ``P(depth i + 1 | depth i)`` is counted from the steps whose cap allowed it), a verify of ``k + 1`` rows for a
+    tree (its siblings fill the rows the chain leaves) or of the chain's rows plus one, and the step's own time
+    outside those forwards (the drafter's and the acceptance's work between them: measured as each step's wall time
+    less the table's price of the forwards it ran).
 
     Never 0: a sequence that stops drafting leaves its draft's cache behind, and the catch-up prefill costs more than
     one step's drafts (``SpeculationPolicy`` weighs that for serving). Recent: each step's counts are added to
     counts that shrink by ``decay`` a step (about the last 10 steps), so a run that moves from prose to code drafts
-    longer again. A position not measured lately starts from the one before it (``prior`` for the first), weighed
-    as ``prior_weight`` steps. The output does not depend on k (greedy verification keeps the target's tokens)."""
+    longer again. A position not measured lately starts from the one before it (``prior`` for the first acceptance,
+    going on for the first depth), weighed as ``prior_weight`` steps: so a cap that has not been tried lately is
+    expected to do as the deepest one measured, and is tried again where that pays. The output does not depend on
+    k (greedy verification keeps the target's tokens)."""
 
-    def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9):
+    def __init__(self, costs: CostTable, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.9,
+                 siblings: int = 0):
         self.costs = costs
         self.prior = prior
         self.prior_weight = prior_weight
         self.decay = decay
-        # the rates and the choice are the serving policy's, for a batch of this one sequence
+        self.siblings = siblings
+        # the acceptance rates are the serving policy's, for a batch of this one sequence
         self._policy = SpeculationPolicy(costs, prior=prior, prior_weight=prior_weight)
         self._stats = None
         self.chosen: list[int] = []  # the k of each step of the latest run
 
     @classmethod
-    def measure(cls, target, draft, max_k: int) -> "AutoDraftLength":
-        return cls(CostTable.measure(target, draft, rows=tuple(range(1, max_k + 2)), prefill_tokens=()))
+    def measure(cls, target, draft, max_k: int, siblings: int = 0) -> "AutoDraftLength":
+        return cls(CostTable.measure(target, draft, rows=tuple(range(1, max_k + 2)), prefill_tokens=()),
+                   siblings=siblings)
 
     def for_run(self) -> "AutoDraftLength":
         """A rule with these costs and settings and counts of its own, for one run (runs of one pipeline in
         several threads then keep apart); its choices are this rule's ``chosen`` too, as the latest run's."""
-        run = AutoDraftLength(self.costs, self.prior, self.prior_weight, self.decay)
+        run = type(self)(self.costs, self.prior, self.prior_weight, self.decay, self.siblings)
         self.chosen = run.chosen
         return run
+
+    def _learn(self, stats, max_k: int) -> None:
+        """Fold the steps since the last call into the decayed counts."""
+        a_all, p_all = stats.accepted_per_position, stats.proposed_per_position
+        t_all = list(getattr(stats, "tested_per_position", None) or ())
+        if len(t_all) < max_k:  # stats without the counts: the chain's stand-in (see position_rates)
+            t_all = [p_all[i] if i == 0 else min(p_all[i], a_all[i - 1]) for i in range(max_k)]
+        seen = self._seen
+        dp = [p_all[i] - seen["p"][i] for i in range(max_k)]
+        d = self.decay
+        for i in range(max_k):
+            self._acc[i] = self._acc[i] * d + (a_all[i] - seen["a"][i])
+            self._tested[i] = self._tested[i] * d + (t_all[i] - seen["t"][i])
+            self._made[i] *= d
+            self._allowed[i] *= d
+        self._over *= d
+        self._over_n *= d
+        steps = getattr(stats, "steps", None)
+        if steps is not None and steps - seen["steps"] == 1 and self.chosen:
+            # one step, of the cap chosen last: how deep its chain went, and its time outside the priced forwards
+            depth, cap = sum(dp), min(self.chosen[-1], max_k)
+            for i in range(1, cap):
+                self._allowed[i] += depth >= i
+                self._made[i] += depth >= i + 1
+            seconds = getattr(stats, "decode_seconds", 0.0) - seen["seconds"]
+            nodes = getattr(stats, "proposed", 0) - seen["nodes"]
+            if seconds > 0:
+                priced = depth * self.costs.draft_cost(1) + self.costs.target_cost(nodes + 1)
+                self._over += seconds - priced
+                self._over_n += 1.0
+        self._seen = {"a": list(a_all[:max_k]), "p": list(p_all[:max_k]), "t": list(t_all[:max_k]),
+                      "steps": steps or 0, "seconds": getattr(stats, "decode_seconds", 0.0),
+                      "nodes": getattr(stats, "proposed", 0)}
+
+    def estimate(self, k: int) -> tuple[float, float, float]:
+        """A step of cap k as the run's counts so far predict it: (tokens, draft forwards, seconds)."""
+        n = len(self._acc)
+        rates = self._policy.position_rates(self._acc, self._tested, tested_per_position=self._tested)  # a_i
+        go_on = [1.0]  # P(the chain drafts position i | it drafted i - 1)
+        for i in range(1, n):
+            go_on.append((self._made[i] + go_on[-1] * self.prior_weight) / (self._allowed[i] + self.prior_weight))
+        tokens, forwards, reach, kept = 1.0, 0.0, 1.0, 1.0
+        for i in range(min(k, n)):
+            reach *= go_on[i]
+            kept *= min(max(float(rates[i]), 0.0), 0.999)
+            forwards += reach
+            tokens += reach * kept
+        rows = 1.0 + (k if self.siblings else forwards)  # a tree's siblings fill the rows its chain leaves
+        # never below 0: a table slower than the forwards it priced says nothing of the time between them
+        over = max(self._over / self._over_n, 0.0) if self._over_n else 0.0
+        return tokens, forwards, over + forwards * self.costs.draft_cost(1) + self.costs.target_cost(rows)
 
     def __call__(self, stats, max_k: int) -> int:
         if stats is not self._stats:  # a new run
             self._stats = stats
-            self._acc, self._prop = [0.0] * max_k, [0.0] * max_k
-            self._seen = ([0] * max_k, [0] * max_k)
+            self._acc, self._tested = [0.0] * max_k, [0.0] * max_k
+            self._made, self._allowed = [0.0] * max_k, [0.0] * max_k
+            self._over, self._over_n = 0.0, 0.0
+            self._seen = {"a": [0] * max_k, "p": [0] * max_k, "t": [0] * max_k, "steps": getattr(stats, "steps", 0),
+                          "seconds": getattr(stats, "decode_seconds", 0.0), "nodes": getattr(stats, "proposed", 0)}
             self.chosen.clear()
-        a_all, p_all = stats.accepted_per_position, stats.proposed_per_position
-        for i in range(max_k):
-            self._acc[i] = self._acc[i] * self.decay + (a_all[i] - self._seen[0][i])
-            self._prop[i] = self._prop[i] * self.decay + (p_all[i] - self._seen[1][i])
-        self._seen = (list(a_all), list(p_all))
-        rates = self._policy.position_rates(self._acc, self._prop)
-        best_k = self._policy.choose_batch(max_k, [rates], min_k=1)
+        self._learn(stats, max_k)
+        best_k, best = 1, -1.0
+        for k in range(1, max_k + 1):
+            tokens, _, seconds = self.estimate(k)
+            rate = tokens / seconds if seconds > 0 else tokens
+            if rate > best * (1 + 1e-9):
+                best_k, best = k, rate
         self.chosen.append(best_k)
         return best_k
 
@@ -923,7 +998,8 @@ class Engine:
                 with self._lock:  # those still in their prefill too: they join the next steps
                     running = list(self._seqs.values())
                 views = [SequenceView(policy.position_rates(r.stats.accepted_per_position,
-                                                            r.stats.proposed_per_position, r.rested)
+                                                            r.stats.proposed_per_position, r.rested,
+                                                            r.stats.tested_per_position)
                                       if r.stats is not None else policy.prior, greedy=r.greedy,
                                       catch_up=self._catch_up(r),
                                       remaining=r.max_new - (r.stats.generated_tokens if r.stats is not None else 0))

@@ -449,8 +449,10 @@ class Pipeline:
                     self._suffix_auto.length = SuffixLength.measure(self.target, k)
             return None
         if self._auto_length is None:
+            # a draft tree's siblings fill the rows its chain leaves, up to K
             with use_backend(getattr(self.target, "backend", None)):
-                self._auto_length = AutoDraftLength.measure(self.target, self.draft, k)
+                self._auto_length = AutoDraftLength.measure(self.target, self.draft, k,
+                                                            siblings=self.choices.siblings)
         return self._auto_length
 
     def _rebound(self, models: list[tuple[object, object]]) -> "Pipeline":
@@ -645,6 +647,7 @@ class Pipeline:
         stats.prompt_tokens = len(ids)
         stats.accepted_per_position = [0] * K
         stats.proposed_per_position = [0] * K
+        stats.tested_per_position = [0] * K
 
         def clock() -> float:
             if sync:

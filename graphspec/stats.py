@@ -10,6 +10,11 @@
 - ``accepted_per_position[i]`` / ``proposed_per_position[i]``: in how many steps draft position i
   was accepted / proposed (i = 0 is the first draft token; with a draft tree, the depth: a step
   counts once per depth however many siblings it had there).
+- ``tested_per_position[i]``: in how many steps the target judged draft position i, that is position i was
+  proposed and positions 0..i-1 were all accepted; ``accepted_per_position[i] / tested_per_position[i]`` is the
+  acceptance at position i given the positions before it were kept (what ``draft_length="auto"`` and the serving
+  policy multiply along a draft). With a tree whose accepted path ends in a sibling leaf, a deeper position is
+  counted as judged though that path had no child there (a slight undercount of the deeper acceptance).
 - ``tree`` (draft trees only): ``{"siblings_proposed", "siblings_accepted"}``; ``proposed`` counts
   every node of the tree, so ``acceptance_rate`` is lower than a chain's for the same path lengths.
 - ``cached_prompt_tokens``: how many of the prompt's tokens the target did not prefill, their KV rows copied
@@ -40,6 +45,7 @@ class GenerationStats:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
+    tested_per_position: list[int] = field(default_factory=list)
     target_forwards: int = 0
     draft_forwards: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -60,6 +66,11 @@ class GenerationStats:
             self.proposed_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        judged = min(len(depths), accepted + 1)  # positions 0..judged-1 were proposed with all before them kept
+        if len(self.tested_per_position) < judged:
+            self.tested_per_position.extend([0] * (judged - len(self.tested_per_position)))
+        for i in range(judged):
+            self.tested_per_position[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -84,6 +95,7 @@ class GenerationStats:
         d["stage_seconds"] = dict(self.stage_seconds)
         d["accepted_per_position"] = list(self.accepted_per_position)
         d["proposed_per_position"] = list(self.proposed_per_position)
+        d["tested_per_position"] = list(self.tested_per_position)
         d["vocab"] = dict(self.vocab) if self.vocab is not None else None
         d["tree"] = dict(self.tree) if self.tree is not None else None
         for k in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "decode_tokens_per_second"):

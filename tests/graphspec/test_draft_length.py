@@ -5,7 +5,7 @@ tokens equal plain decoding's whatever k it picks, a draft that is always right 
 cheap, one that is mostly wrong drafts 1 where they are dear, and sampled runs keep K (a seed gives one sample).
 """
 
-from types import SimpleNamespace
+import random
 
 import pytest
 
@@ -19,14 +19,13 @@ DEAR = CostTable(target={1: 1.0, 8: 8.0}, draft={1: 0.3})      # each verify row
 
 
 def _stats(k):
-    return SimpleNamespace(accepted_per_position=[0] * k, proposed_per_position=[0] * k)
+    return graphspec.GenerationStats(accepted_per_position=[0] * k, proposed_per_position=[0] * k,
+                                     tested_per_position=[0] * k)
 
 
 def _record(stats, accepted, proposed):
     """One step: positions 0..proposed-1 proposed, the first ``accepted`` of them kept."""
-    for i in range(proposed):
-        stats.proposed_per_position[i] += 1
-        stats.accepted_per_position[i] += int(i < accepted)
+    stats.record_step(proposed, accepted)
 
 
 def test_rule_follows_costs_and_recent_acceptance():
@@ -49,6 +48,71 @@ def test_rule_follows_costs_and_recent_acceptance():
         _record(stats, got, got)
     assert low < mid.chosen[-1] == k, mid.chosen
     assert all(1 <= c <= k for c in mid.chosen)
+
+
+def test_rule_multiplies_the_acceptance_given_the_positions_before():
+    # A chain whose every position is kept 4 times in 5 once the ones before it were: 1 + 0.8 + 0.64 + ... tokens.
+    # With dear-ish drafts and free rows, k = 4 gives the most per second (1 + .8 + .64 + .51 + .41 = 3.36 tokens
+    # for 1.8 s; k = 2: 2.44 for 1.4 s). Multiplying each position's chance that it and all before it were kept
+    # (.8, .64, .51, ...) as if it were conditional undercounts the deeper positions and settles on k = 2.
+    costs = CostTable(target={1: 1.0, 8: 1.0}, draft={1: 0.2})
+    k, rng = 6, random.Random(0)
+    rule, stats = AutoDraftLength(costs), _stats(k)
+    for _ in range(200):
+        cap = rule(stats, k)
+        kept = 0
+        while kept < cap and rng.random() < 0.8:
+            kept += 1
+        _record(stats, kept, cap)
+    late = rule.chosen[-100:]
+    assert 3.2 <= sum(late) / len(late) <= 5.5, late
+    # the counts: position i judged when proposed with all before it kept
+    assert stats.tested_per_position[0] == stats.proposed_per_position[0]
+    assert all(stats.tested_per_position[i] <= stats.accepted_per_position[i - 1] for i in range(1, k))
+
+
+def _chain_run(rule, k, steps, kept_rate, extra_seconds=0.0, go_on=None, seed=0):
+    """Steps of a chain draft through ``rule``: each drafted position kept with ``kept_rate`` once the ones before it
+    were, the chain going on past depth i with ``go_on(i, step)`` (always if None), and each step's wall time the
+    rule's own table price of its forwards plus ``extra_seconds``."""
+    rng, stats = random.Random(seed), _stats(k)
+    for step in range(steps):
+        cap = rule(stats, k)
+        depth = 1
+        while depth < cap and (go_on is None or go_on(depth - 1, step)):
+            depth += 1
+        kept = 0
+        while kept < depth and rng.random() < kept_rate:
+            kept += 1
+        stats.decode_seconds += (depth * rule.costs.draft_cost(1) + rule.costs.target_cost(depth + 1)
+                                 + extra_seconds)
+        _record(stats, kept, depth)
+    return stats
+
+
+def test_rule_prices_the_steps_time_outside_its_forwards():
+    # Half the drafts kept, free verify rows, drafts a third of a step: one draft a step is best (1.5 tokens for
+    # 1.3 s; two: 1.75 for 1.6 s). Where each step also spends 4 s between its forwards (a slow host, Python), that
+    # time is shared by more tokens with longer drafts: two or three give the most (1.75 / 5.6, 1.88 / 5.9 s).
+    costs = CostTable(target={1: 1.0, 8: 1.0}, draft={1: 0.3})
+    lean = AutoDraftLength(costs)
+    _chain_run(lean, 5, 150, 0.5)
+    slow = AutoDraftLength(costs)
+    _chain_run(slow, 5, 150, 0.5, extra_seconds=4.0)
+    assert sum(lean.chosen[-100:]) / 100 <= 1.2, lean.chosen
+    assert sum(slow.chosen[-100:]) / 100 >= 1.8, slow.chosen
+    assert slow._over / slow._over_n == pytest.approx(4.0)  # what the steps spent outside the priced forwards
+
+
+def test_rule_counts_the_chains_that_end_early():
+    # A draft unsure past its first token every other step and past its second always: a cap of 4 drafts 1.5 tokens
+    # on average, and a chain (no siblings) verifies those rows plus one, not 5.
+    rule = AutoDraftLength(FLAT)
+    _chain_run(rule, 4, 60, 1.0, go_on=lambda depth, step: depth == 0 and step % 2 == 0)
+    assert min(rule.chosen) >= 2  # free rows and cheap drafts: long caps (the chain ends where the draft is unsure)
+    tokens, forwards, _ = rule.estimate(4)
+    assert 1.3 <= forwards <= 1.9, forwards
+    assert tokens == pytest.approx(1 + forwards, rel=0.05)  # every drafted token kept
 
 
 def test_rule_starts_afresh_for_each_run():

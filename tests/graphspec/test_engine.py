@@ -367,7 +367,10 @@ def test_expected_tokens_per_position():
     # a position never reached starts from the one before it, so that a short draft that does well is lengthened
     assert policy.position_rates([10, 0], [10, 0]) == [pytest.approx(12.4 / 14)] * 2
     assert policy.position_rates([0, 0], [10, 0]) == [pytest.approx(2.4 / 14)] * 2
-    assert policy.position_rates([9, 5], [10, 10])[1] == pytest.approx((5 + 4 * 11.4 / 14) / 14)
+    # later positions: the acceptance given the ones before were kept (5 of the 9 steps that kept position 0)
+    assert policy.position_rates([9, 5], [10, 10])[1] == pytest.approx((5 + 4 * 11.4 / 14) / 13)
+    assert policy.position_rates([9, 5], [10, 10], tested_per_position=[10, 6])[1] == pytest.approx(
+        (5 + 4 * 11.4 / 14) / 10)
 
 
 def test_suffix_drafts_share_their_store_across_batched_sequences(tiny_dirs):

@@ -234,6 +234,13 @@ def test_stats_count_depths_not_nodes():
     assert stats.proposed_per_position == [1, 1, 0, 0]
     assert stats.accepted_per_position == [1, 1, 0, 0]
     assert stats.proposed == 4
+    assert stats.tested_per_position == [1, 1]  # both depths judged (all kept)
+    stats.record_step(4, 1, parents=(0, 1, 2, 3))  # a chain of 4, its second token rejected
+    stats.record_step(3, 0, parents=(0, 1, 2))     # a chain of 3, its first token rejected
+    assert stats.proposed_per_position == [3, 3, 2, 1]
+    assert stats.accepted_per_position == [2, 1, 0, 0]
+    assert stats.tested_per_position == [3, 2]  # depth 1 was judged where depth 0 was kept; nothing past it
+    assert stats.as_dict()["tested_per_position"] == [3, 2]
 
 
 @pytest.mark.parametrize("kw, match", [
