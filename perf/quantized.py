@@ -3,12 +3,15 @@
     .venv/bin/python perf/quantized.py --threads 1 2              # Qwen2.5-Coder-1.5B Q4_K_M, 128 tokens
     .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft int8 --k 3
     .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --draft gguf --k 5 --no-llamacpp
+    .venv/bin/python perf/quantized.py --threads 1 --weights gguf-a8 --prompts 4 --draft-length fixed auto
 
 For each thread count, in one run: llama.cpp's ``llama-bench`` tg<n> on the zoo's GGUF file itself (no
 requantization; perf/llamacpp.py builds it), graphspec's plain decoding of the same file with
 ``weights="gguf"`` (the GGUF's exact model: fp32 activations) and ``weights="gguf-a8"`` (the k-quants on int8
 activations, llama.cpp's arithmetic), each through the same code path as speculation with no draft, and
-graphspec's speculative decoding on each with the zoo's 0.5B as the draft, K = 3 by default (``--draft auto``, the
+graphspec's speculative decoding on each with the zoo's 0.5B as the draft (``--draft-length fixed auto``: both
+``draft_length`` settings, one after the other; the rows then have ``graphspec_spec_auto``, with the k each step
+chose), K = 3 by default (``--draft auto``, the
 default: its converted checkpoint with 4-bit draft steps where the CPU backend's level has the int4 GEMM, else int8
 weights, as docs/quantized.md recommends; ``--draft gguf``: its GGUF in blocks), greedy, ``ignore_eos``; with ``--transformers``,
 transformers' plain greedy ``generate`` on the same GGUF file too (transformers cannot run GGUF blocks: it
@@ -41,17 +44,22 @@ def _prompts(n: int) -> list:
 
 def _decode(pipe, prompts, tokens: int) -> dict:
     done, seconds, forwards, accepted, proposed = 0, 0.0, 0, 0, 0
-    texts = []
+    texts, chosen = [], []
     for prompt in prompts:
         out = pipe.run(prompt, max_new_tokens=tokens, ignore_eos=True)
+        if getattr(pipe, "_auto_length", None) is not None:  # draft_length="auto": the k of each step
+            chosen += pipe._auto_length.chosen
         done += len(out.token_ids)
         seconds += out.stats.decode_seconds
         forwards += out.stats.target_forwards
         accepted += out.stats.accepted
         proposed += out.stats.proposed
         texts.append(out.token_ids)
-    return {"tokens_per_second": done / seconds, "tokens": done, "target_forwards": forwards,
-            "acceptance": accepted / proposed if proposed else None, "token_ids": texts}
+    out = {"tokens_per_second": done / seconds, "tokens": done, "target_forwards": forwards,
+           "acceptance": accepted / proposed if proposed else None, "token_ids": texts}
+    if chosen:
+        out["chosen_k"] = {str(k): chosen.count(k) for k in sorted(set(chosen))}
+    return out
 
 
 def _transformers_peer(name: str, tok):
@@ -105,6 +113,9 @@ def main(argv=None) -> int:
                          "checkpoint with int8 weights (int8) or 4-bit draft steps (int4: the amx, avx512 or avx2 "
                          "level), auto (int4 where the level has it, else int8; the default), or no speculative "
                          "run (none)")
+    ap.add_argument("--draft-length", nargs="+", default=["fixed"], choices=["fixed", "auto"],
+                    help="the speculative run's draft_length: fixed (K a step), auto (1..K a step, chosen from the "
+                         "measured forward costs and acceptance), or both, one after the other in this run")
     ap.add_argument("--reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--transformers", action="store_true",
@@ -166,21 +177,27 @@ def main(argv=None) -> int:
                     f"{step_bytes / 1e9:.2f} GB a step)")
             if args.draft != "none":
                 row["draft"] = f"{DRAFT} {w if args.draft == 'gguf' else args.draft}"
-                pipe = graphspec.Pipeline(target, draft=drafts[w], num_speculative_tokens=args.k)
-                spec = _decode(pipe, prompts, args.tokens)
-                row["graphspec_spec"] = {k: v for k, v in spec.items() if k != "token_ids"}
-                row["identical_tokens"] = ar["token_ids"] == spec["token_ids"]
-                row["spec_vs_ar"] = spec["tokens_per_second"] / ar["tokens_per_second"]
-                line += (f" | spec K={args.k} ({row['draft']} draft) {spec['tokens_per_second']:.2f} tok/s "
-                         f"(x{row['spec_vs_ar']:.2f} AR, acceptance {spec['acceptance']:.2f}) | identical tokens: "
-                         f"{row['identical_tokens']}")
+                for length in args.draft_length:
+                    # draft_length="auto" times the two models once per pipeline, before its first run's prefill
+                    pipe = graphspec.Pipeline(target, draft=drafts[w], num_speculative_tokens=args.k,
+                                              draft_length=length)
+                    spec = _decode(pipe, prompts, args.tokens)
+                    tag = "" if length == "fixed" else f"_{length}"
+                    row[f"graphspec_spec{tag}"] = {k: v for k, v in spec.items() if k != "token_ids"}
+                    row[f"identical_tokens{tag}"] = ar["token_ids"] == spec["token_ids"]
+                    row[f"spec{tag}_vs_ar"] = spec["tokens_per_second"] / ar["tokens_per_second"]
+                    line += (f" | spec K={args.k}{' auto' if tag else ''} ({row['draft']} draft) "
+                             f"{spec['tokens_per_second']:.2f} tok/s (x{row[f'spec{tag}_vs_ar']:.2f} AR, acceptance "
+                             f"{spec['acceptance']:.2f}) | identical tokens: {row[f'identical_tokens{tag}']}")
             row["seconds"] = time.time() - t0
             if lc is not None:
                 row["ar_vs_llamacpp"] = ar["tokens_per_second"] / lc["tokens_per_second"]
                 line += f" | AR/llama.cpp {row['ar_vs_llamacpp']:.2f}"
-                if "graphspec_spec" in row:
-                    row["spec_vs_llamacpp"] = row["graphspec_spec"]["tokens_per_second"] / lc["tokens_per_second"]
-                    line += f", spec/llama.cpp {row['spec_vs_llamacpp']:.2f}"
+                for tag in ("", "_auto"):
+                    if f"graphspec_spec{tag}" in row:
+                        row[f"spec{tag}_vs_llamacpp"] = (row[f"graphspec_spec{tag}"]["tokens_per_second"]
+                                                         / lc["tokens_per_second"])
+                        line += f", spec{tag.replace('_', ' ')}/llama.cpp {row[f'spec{tag}_vs_llamacpp']:.2f}"
             if hf_run is not None:
                 row["ar_vs_transformers"] = ar["tokens_per_second"] / hf_run["tokens_per_second"]
                 line += f" | AR/transformers {row['ar_vs_transformers']:.2f}"
