@@ -486,6 +486,12 @@ class SequenceView:
     remaining: int = 1 << 30
 
 
+def _tested_stand_in(accepted: Sequence[int], proposed: Sequence[int]) -> list[int]:
+    """``tested_per_position`` where a sequence's stats lack it: position i judged ``min(proposed[i], accepted[i -
+    1])`` times, exact for chains that always reach their length (an upper bound where chains end early)."""
+    return [p if i == 0 else min(p, accepted[i - 1]) for i, p in enumerate(proposed)]
+
+
 class SpeculationPolicy:
     """How many tokens each running sequence drafts this step: the choice with the most expected tokens per
     second of the step.
@@ -536,8 +542,7 @@ class SpeculationPolicy:
         tenth of the way back to the prior, so that a sequence switched off by a few early misses is tried again
         (else its rates, no longer measured, would keep it off for good)."""
         if tested_per_position is None or len(tested_per_position) < len(accepted_per_position):
-            tested_per_position = [p if i == 0 else min(p, accepted_per_position[i - 1])
-                                   for i, p in enumerate(proposed_per_position)]
+            tested_per_position = _tested_stand_in(accepted_per_position, proposed_per_position)
         rates: list[float] = []
         for a, n in zip(accepted_per_position, tested_per_position):
             rates.append(self.acceptance(a, n, rates[-1] if rates else None))
@@ -707,8 +712,8 @@ class AutoDraftLength:
         """Fold the steps since the last call into the decayed counts."""
         a_all, p_all = stats.accepted_per_position, stats.proposed_per_position
         t_all = list(getattr(stats, "tested_per_position", None) or ())
-        if len(t_all) < max_k:  # stats without the counts: the chain's stand-in (see position_rates)
-            t_all = [p_all[i] if i == 0 else min(p_all[i], a_all[i - 1]) for i in range(max_k)]
+        if len(t_all) < max_k:  # stats without the counts
+            t_all = _tested_stand_in(a_all[:max_k], p_all[:max_k])
         seen = self._seen
         dp = [p_all[i] - seen["p"][i] for i in range(max_k)]
         d = self.decay
