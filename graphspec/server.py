@@ -210,6 +210,7 @@ def _stats(seq, result) -> dict:
             "target_forwards": s.target_forwards, "draft_forwards": s.draft_forwards,
             "proposed_by_position": list(s.proposed_per_position),
             "accepted_by_position": list(s.accepted_per_position),
+            "tested_by_position": list(s.tested_per_position),
             "time_to_first_token_s": (None if seq.first_token_at is None else seq.first_token_at - seq.submitted),
             "seconds": (seq.finished_at or time.perf_counter()) - seq.submitted}
 

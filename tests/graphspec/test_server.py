@@ -103,6 +103,7 @@ def test_concurrent_requests_get_what_pipeline_run_gives_alone(tiny, which, conc
             stats = resp.model_extra["graphspec"]
             assert stats["target_forwards"] == w.stats.target_forwards
             assert stats["accepted_by_position"] == w.stats.accepted_per_position
+            assert stats["tested_by_position"] == w.stats.tested_per_position
         # streaming: the joined pieces are the same text
         for r, w in list(zip(requests, want))[:3]:
             assert _ask(client, *r, stream=True) == w.text
