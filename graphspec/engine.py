@@ -743,21 +743,26 @@ class AutoDraftLength:
 
     def estimate(self, k: int) -> tuple[float, float, float]:
         """A step of cap k as the run's counts so far predict it: (tokens, draft forwards, seconds)."""
+        return self._estimates()[min(k, len(self._acc)) - 1]
+
+    def _estimates(self) -> list[tuple[float, float, float]]:
+        """``estimate(k)`` for every cap k in 1..K, in one pass over the positions."""
         n = len(self._acc)
         rates = self._policy.position_rates(self._acc, self._tested, tested_per_position=self._tested)  # a_i
-        go_on = [1.0]  # P(the chain drafts position i | it drafted i - 1)
-        for i in range(1, n):
-            go_on.append((self._made[i] + go_on[-1] * self.prior_weight) / (self._allowed[i] + self.prior_weight))
-        tokens, forwards, reach, kept = 1.0, 0.0, 1.0, 1.0
-        for i in range(min(k, n)):
-            reach *= go_on[i]
+        # never below 0: a table slower than the forwards it priced says nothing of the time between them
+        over = max(self._over / self._over_n, 0.0) if self._over_n else 0.0
+        out = []
+        tokens, forwards, reach, kept, go_on = 1.0, 0.0, 1.0, 1.0, 1.0
+        for i in range(n):
+            if i:  # P(the chain drafts position i | it drafted i - 1)
+                go_on = (self._made[i] + go_on * self.prior_weight) / (self._allowed[i] + self.prior_weight)
+            reach *= go_on
             kept *= min(max(float(rates[i]), 0.0), 0.999)
             forwards += reach
             tokens += reach * kept
-        rows = 1.0 + (k if self.siblings else forwards)  # a tree's siblings fill the rows its chain leaves
-        # never below 0: a table slower than the forwards it priced says nothing of the time between them
-        over = max(self._over / self._over_n, 0.0) if self._over_n else 0.0
-        return tokens, forwards, over + forwards * self.costs.draft_cost(1) + self.costs.target_cost(rows)
+            rows = 1.0 + (i + 1 if self.siblings else forwards)  # a tree's siblings fill the rows its chain leaves
+            out.append((tokens, forwards, over + forwards * self.costs.draft_cost(1) + self.costs.target_cost(rows)))
+        return out
 
     def __call__(self, stats, max_k: int) -> int:
         if stats is not self._stats:  # a new run
@@ -770,8 +775,7 @@ class AutoDraftLength:
             self.chosen.clear()
         self._learn(stats, max_k)
         best_k, best = 1, -1.0
-        for k in range(1, max_k + 1):
-            tokens, _, seconds = self.estimate(k)
+        for k, (tokens, _, seconds) in enumerate(self._estimates(), start=1):
             rate = tokens / seconds if seconds > 0 else tokens
             if rate > best * (1 + 1e-9):
                 best_k, best = k, rate
