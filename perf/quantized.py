@@ -35,6 +35,7 @@ sys.path.append(str(ROOT))
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 OUT = ROOT / "perf" / "quantized.jsonl"
+_TAG = {"fixed": "", "auto": "_auto"}  # a speculative run's suffix in the row's keys, per draft_length
 
 
 def _prompts(n: int) -> list:
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
                     pipe = graphspec.Pipeline(target, draft=drafts[w], num_speculative_tokens=args.k,
                                               draft_length=length)
                     spec = _decode(pipe, prompts, args.tokens)
-                    tag = "" if length == "fixed" else f"_{length}"
+                    tag = _TAG[length]
                     row[f"graphspec_spec{tag}"] = {k: v for k, v in spec.items() if k != "token_ids"}
                     row[f"identical_tokens{tag}"] = ar["token_ids"] == spec["token_ids"]
                     row[f"spec{tag}_vs_ar"] = spec["tokens_per_second"] / ar["tokens_per_second"]
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
             if lc is not None:
                 row["ar_vs_llamacpp"] = ar["tokens_per_second"] / lc["tokens_per_second"]
                 line += f" | AR/llama.cpp {row['ar_vs_llamacpp']:.2f}"
-                for tag in ("", "_auto"):
+                for tag in _TAG.values():
                     if f"graphspec_spec{tag}" in row:
                         row[f"spec{tag}_vs_llamacpp"] = (row[f"graphspec_spec{tag}"]["tokens_per_second"]
                                                          / lc["tokens_per_second"])
