@@ -70,6 +70,8 @@ def machine_info() -> dict:
 
     # whether bf16 weights ran graphspec's C++ linear (kernels/cpu/linear.cpp) or oneDNN
     info["bf16_native"] = cpu.bf16_linear()
+    # transparent huge pages: the kernel's mode, torch's allocator setting, this process's share (MiB) so far
+    info["huge_pages"] = cpu.huge_pages()
     try:
         import transformers
 

@@ -18,6 +18,9 @@
   level, required: an error where the CPU lacks it or it does not build). ``use_level(name)`` pins one for
   a ``with`` block (tests, benchmarks), ``set_level(name)`` for the process; :func:`level` says which is in
   force.
+- Weights on huge pages: importing graphspec sets ``THP_MEM_ALLOC_ENABLE=1`` (unless set) before torch allocates,
+  so torch's CPU allocator advises the kernel to back every buffer of 2 MiB or more, packed weights included, with
+  2 MiB pages; a decode step streams its weights and reads them faster so. :func:`huge_pages` says what is in force.
 - ``README.md`` beside this file says how to add a level.
 """
 
@@ -37,8 +40,8 @@ import torch
 from graphspec.kernels.cpu import _build
 from graphspec.kernels.cpu._build import CFLAGS, NativeBuildError, build
 
-__all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_int4", "level",
-           "ops", "qops", "runnable_levels", "set_level", "supported_levels", "use_level"]
+__all__ = ["ENV", "KERNELS", "LEVELS", "NativeBuildError", "available", "bf16_linear", "have_int4", "huge_pages",
+           "level", "ops", "qops", "runnable_levels", "set_level", "supported_levels", "use_level"]
 
 ENV = "GRAPHSPEC_CPU"
 LEVELS = ("amx", "avx512", "avx2", "generic", "torch")
@@ -322,3 +325,30 @@ def classes(name: str | None = None):
     """The custom classes of level ``name`` (default: the level in force): ``Int8Linear``, ``Int8Draft``."""
     ops(name)
     return getattr(torch.classes, f"graphspec_cpu_{level() if name is None else name}")
+
+
+THP_SYSFS = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages() -> dict:
+    """Whether this process's large buffers can sit on transparent huge pages, and how much of it does.
+
+    ``kernel``: the kernel's THP mode (``always``, ``madvise`` or ``never``; None where there is no THP, as off
+    Linux); ``torch``: the environment's ``THP_MEM_ALLOC_ENABLE``, which torch's allocator reads at its first allocation
+    (graphspec sets "1" on import unless it was set: torch then advises huge pages for buffers of 2 MiB or more,
+    which the kernel's ``madvise`` and ``always`` modes honour);
+    ``anon_huge_mib``: this process's anonymous memory on huge pages now (None where /proc does not say)."""
+    kernel = None
+    try:
+        text = THP_SYSFS.read_text()
+        kernel = next((w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")), None)
+    except OSError:
+        pass
+    anon = None
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                anon = int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"kernel": kernel, "torch": os.environ.get("THP_MEM_ALLOC_ENABLE"), "anon_huge_mib": anon}
