@@ -98,7 +98,7 @@ def machine_fields(machine: dict) -> dict:
     ``machine_info()``."""
     return {"cpu": machine.get("cpu_model"), "cpu_flags": machine.get("cpu_flags"),
             "cpu_level": machine.get("cpu_level"), "date": machine.get("date"), "commit": machine.get("commit"),
-            "loadavg": machine.get("loadavg")}
+            "loadavg": machine.get("loadavg"), "huge_pages": machine.get("huge_pages")}
 
 
 def _commit() -> str:
