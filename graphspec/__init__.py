@@ -11,10 +11,10 @@ for prompts that begin the same (``Pipeline(..., prefix_cache=True)``).
 
 import os as _os
 
-# Before torch allocates anything large: torch's CPU allocator then puts every buffer of 2 MiB or more (the
-# packed weights among them) on transparent huge pages (2 MiB-aligned, madvise). A decode step streams its
-# weights, and on 4 KiB pages it reads them measurably slower (perf/RESULTS.md). torch reads the variable once,
-# at its first large allocation; set THP_MEM_ALLOC_ENABLE=0 before importing graphspec to keep 4 KiB pages.
+# Before torch allocates: its CPU allocator then asks for transparent huge pages (madvise) under every buffer of
+# 2 MiB or more, the packed weights among them. A decode step streams its weights, and on 4 KiB pages it reads
+# them measurably slower (perf/RESULTS.md). torch reads the variable once, at its first allocation; set
+# THP_MEM_ALLOC_ENABLE=0 before importing graphspec to keep 4 KiB pages.
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance

@@ -334,10 +334,10 @@ def huge_pages() -> dict:
     """Whether this process's large buffers can sit on transparent huge pages, and how much of it does.
 
     ``kernel``: the kernel's THP mode (``always``, ``madvise`` or ``never``; None where there is no THP, as off
-    Linux); ``torch``: the environment's ``THP_MEM_ALLOC_ENABLE``, which torch's allocator reads at its first allocation
-    (graphspec sets "1" on import unless it was set: torch then advises huge pages for buffers of 2 MiB or more,
-    which the kernel's ``madvise`` and ``always`` modes honour);
-    ``anon_huge_mib``: this process's anonymous memory on huge pages now (None where /proc does not say)."""
+    Linux); ``torch``: the environment's ``THP_MEM_ALLOC_ENABLE``, which torch's allocator reads at its first
+    allocation (graphspec sets "1" on import unless it was set: torch then advises huge pages for buffers of 2 MiB
+    or more, which the kernel's ``madvise`` and ``always`` modes honour); ``anon_huge_mib``: this process's
+    anonymous memory on huge pages now (None where /proc does not say)."""
     kernel = None
     try:
         text = THP_SYSFS.read_text()

@@ -48,7 +48,8 @@ def test_import_turns_on_torchs_huge_page_allocations():
     # every 2 MiB-aligned stretch of the buffer can be a huge page: all but at most the two partial ends
     assert got["grew_mib"] >= BUFFER_MIB - 4, (
         f"a {BUFFER_MIB} MiB tensor allocated after `import graphspec` put {got['grew_mib']} MiB on huge pages "
-        f"(kernel mode {got['kernel']!r}); expected nearly all of it")
+        f"(kernel mode {got['kernel']!r}); expected nearly all of it (unless the machine had no free 2 MiB pages: "
+        f"see /proc/buddyinfo)")
 
 
 def test_a_users_setting_is_kept():
@@ -63,4 +64,4 @@ def test_huge_pages_reports_this_process():
     assert set(info) == {"kernel", "torch", "anon_huge_mib"}
     if cpu.THP_SYSFS.exists():
         assert info["kernel"] in ("always", "madvise", "never")
-        assert isinstance(info["anon_huge_mib"], int) and info["anon_huge_mib"] >= 0
+        assert info["anon_huge_mib"] is None or info["anon_huge_mib"] >= 0
