@@ -14,7 +14,8 @@ import os as _os
 # Before torch allocates: its CPU allocator then asks for transparent huge pages (madvise) under every buffer of
 # 2 MiB or more, the packed weights among them. A decode step streams its weights, and on 4 KiB pages it reads
 # them measurably slower (perf/RESULTS.md). torch reads the variable once, at its first allocation; set
-# THP_MEM_ALLOC_ENABLE=0 before importing graphspec to keep 4 KiB pages.
+# THP_MEM_ALLOC_ENABLE=0 before importing graphspec to keep 4 KiB pages. (The name is a literal here: the
+# constant, graphspec.kernels.cpu.THP_ENV, lives in a module that imports torch.)
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from graphspec.acceptance import GreedyAcceptance, RejectionSampling, TreeAcceptance

@@ -328,6 +328,7 @@ def classes(name: str | None = None):
 
 
 THP_SYSFS = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's switch; graphspec/__init__.py sets it before torch is imported
 
 
 def huge_pages() -> dict:
@@ -351,4 +352,4 @@ def huge_pages() -> dict:
                 anon = int(line.split()[1]) // 1024
     except (OSError, ValueError, IndexError):
         pass
-    return {"kernel": kernel, "torch": os.environ.get("THP_MEM_ALLOC_ENABLE"), "anon_huge_mib": anon}
+    return {"kernel": kernel, "torch": os.environ.get(THP_ENV), "anon_huge_mib": anon}

@@ -13,7 +13,7 @@ import pytest
 
 from graphspec.kernels import cpu
 
-VAR = "THP_MEM_ALLOC_ENABLE"
+VAR = cpu.THP_ENV
 BUFFER_MIB = 64
 
 # A fresh interpreter: the imports a user's script starts with, then one large tensor, touched; it prints what
