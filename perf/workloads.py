@@ -11,8 +11,9 @@ Workloads (perf/workloads.json): code_edit, agentic, doc_qa, and code_chat_prose
 Each workload's requests run in order through one pipeline per method (so the suffix store learns
 across them, as in a server); request i runs every method before request i + 1 (order rotated),
 so load drift on a shared machine hits all methods alike. Target Qwen2.5-Coder-1.5B-Instruct
-(greedy, each request stops at EOS or --max-new-tokens; every method must give the autoregressive
-tokens); model draft Qwen2.5-Coder-0.5B-Instruct with int8 weights and the library's defaults.
+(greedy, each request stops at EOS or --max-new-tokens: 1024 by default, past the end of every code editing,
+agent loop and document QA answer, so a code edit restates its whole file; every method must give the
+autoregressive tokens); model draft Qwen2.5-Coder-0.5B-Instruct with int8 weights and the library's defaults.
 Reported per workload and method: tokens per target forward (generated tokens / verify steps) and
 x our autoregressive (its seconds / the method's, prefill included, and after the prompt only). One
 JSON line per workload and method is appended to perf/workloads.jsonl, with the machine.
@@ -413,7 +414,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", nargs="*", default=None, help="code_edit agentic doc_qa code_chat_prose")
     ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=1024,
+                    help="a request stops at EOS or here (default 1024: past the end of every code editing, agent "
+                         "loop and document QA answer; a smaller cap cuts the answers short, and the prompts' "
+                         "prefill then weighs more in every whole-call ratio)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--weights", default=None, choices=["gguf", "gguf-a8"],
                     help="the target's zoo GGUF in its own blocks (fp32 / int8 activations) instead of the "
