@@ -887,8 +887,10 @@ class HybridDrafter(Stage):
     Where suffix trees produce most tokens (code editing: a file restated), a prompt's prefill bought for a
     few model steps thus costs what it costs; a long prompt with a short budget left keeps the model out
     unless suffix trees do badly. With no suffix tree the step is a plain one (no proposal) when the model
-    rate is below 1 (a plain step yields one token a verify). Sampled runs leave the catch-up out: it is
-    timed, and a seeded sample must not depend on the host's load.
+    rate is below a plain step's: one token a verify, or with ``draft_length="auto"`` (timed verify costs)
+    seconds(verify of model_k + 1 rows) / seconds(one row), so on a target whose extra rows cost several steps
+    the model must beat plain decoding there (a sized suffix tree, where there is one, is taken instead). Sampled
+    runs leave the catch-up out: it is timed, and a seeded sample must not depend on the host's load.
     """
 
     reads = ("tokens", "num_draft", "params", "generator")
@@ -1099,10 +1101,14 @@ class HybridDrafter(Stage):
         model_k = k if self.model_k is None else min(k, self.model_k)
         length = self.suffix.length if state.params.greedy else None
         verify_ratio = 1.0
+        plain_rate = 1.0  # a plain step's tokens per model-step verify: 1 where rows cost alike
         if length is not None:  # draft_length="auto": the tree sized by this machine's verify costs, as suffix alone
             toks, parents, scores, counts, match = self.suffix.propose_sized(state, k)
             if toks:
                 verify_ratio = length.seconds(model_k + 1, n) / length.seconds(len(toks) + 1, n)
+            # one token for a one-row verify; where a model step's rows cost several one-row steps (the block
+            # GEMMs' multi-row passes) the model draft must beat that, not one token a verify
+            plain_rate = length.seconds(model_k + 1, n) / length.seconds(1, n)
         else:
             toks, parents, scores, counts, _ = self.suffix.propose(state, k)
         tree = (toks, parents, scores)
@@ -1113,18 +1119,24 @@ class HybridDrafter(Stage):
         remaining = state.run.capacity - n  # tokens the request may still produce (capacity: prompt + max_new)
         cost = self.step_draft_cost(state)
         share = self.model_share(state) if behind else None
-        if toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost, share=share,
-                                        verify_ratio=verify_ratio):
+        suffix = toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost, share=share,
+                                              verify_ratio=verify_ratio)
+        if not suffix and k > 0 and (length is not None or not toks) \
+                and self.model_rate(model_k, behind, remaining, draft_cost=cost, share=share) < plain_rate:
+            # the model would yield less than a plain step: a sized suffix tree (its sizing found it worth more than
+            # nothing) or else a plain step
+            suffix = bool(toks)
+            if not suffix:
+                write_tree(state, [], [], [])
+                sc["last"] = ("plain", n, tree, 0)
+                extra["plain_steps"] += 1
+                return
+        if suffix:
             if length is not None:  # settled by the suffix drafter's rates at the next step
                 state.scratch(self.suffix)["auto_last"] = (n, toks, parents, match)
             write_tree(state, toks, parents, counts)
             sc["last"] = ("suffix", n, tree, 0)
             extra["suffix_steps"] += 1
-            return
-        if not toks and k > 0 and self.model_rate(model_k, behind, remaining, draft_cost=cost, share=share) < 1.0:
-            write_tree(state, [], [], [])  # a plain step: the model would cost more than it yields
-            sc["last"] = ("plain", n, tree, 0)
-            extra["plain_steps"] += 1
             return
         if k > 0:  # a step that may draft nothing (the request's last token) must not pay a catch-up for nothing
             self._catch_up(state)

@@ -192,6 +192,27 @@ def test_a_hybrids_suffix_trees_are_sized_too_and_its_tokens_are_plain_decodings
     assert h.measured["suffix_accepted"] > 0 and sum(h.suffix.length.accepted) > 0
 
 
+# A model step's 6 rows at three one-row steps: a plain step yields 3 tokens in the model step's unit (a verify of
+# its rows), where the model's prior step yields 1.5 (3 tokens for 1 + 0.2 x 5 verifies).
+STEEP = CostTable(target={1: 1.0, 6: 3.0, 17: 6.0})
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["rows-alike", "rows-dear"])
+def test_a_hybrid_drafts_with_its_model_only_where_that_beats_a_plain_step(costs):
+    pipe, h = _hybrid(costs, k=5)
+    ar = graphspec.Pipeline(pipe.target)
+    forwards = 0
+    for p in PROMPTS:
+        want = ar.run(p, max_new_tokens=30, ignore_eos=True).token_ids
+        out = pipe.run(p, max_new_tokens=30, ignore_eos=True)
+        assert out.token_ids == want, p
+        forwards += out.stats.draft_forwards
+    if costs is FLAT:  # 1.5 tokens a verify beats a plain step's 1: the model drafts where no suffix tree is
+        assert forwards > 0 and h.measured["model_steps"] > 0
+    else:  # 1.5 against a plain step's 3: never the model (steps without a suffix tree are plain)
+        assert forwards == 0 and h.measured["model_steps"] == 0
+
+
 def test_the_hybrid_weighs_a_long_trees_verify_time():
     from graphspec import ModelDrafter
     from graphspec.suffix import HybridDrafter
