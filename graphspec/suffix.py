@@ -1104,11 +1104,12 @@ class HybridDrafter(Stage):
         plain_rate = 1.0  # a plain step's tokens per model-step verify: 1 where rows cost alike
         if length is not None:  # draft_length="auto": the tree sized by this machine's verify costs, as suffix alone
             toks, parents, scores, counts, match = self.suffix.propose_sized(state, k)
+            model_seconds = length.seconds(model_k + 1, n)
             if toks:
-                verify_ratio = length.seconds(model_k + 1, n) / length.seconds(len(toks) + 1, n)
+                verify_ratio = model_seconds / length.seconds(len(toks) + 1, n)
             # one token for a one-row verify; where a model step's rows cost several one-row steps (the block
             # GEMMs' multi-row passes) the model draft must beat that, not one token a verify
-            plain_rate = length.seconds(model_k + 1, n) / length.seconds(1, n)
+            plain_rate = model_seconds / length.seconds(1, n)
         else:
             toks, parents, scores, counts, _ = self.suffix.propose(state, k)
         tree = (toks, parents, scores)
@@ -1119,18 +1120,18 @@ class HybridDrafter(Stage):
         remaining = state.run.capacity - n  # tokens the request may still produce (capacity: prompt + max_new)
         cost = self.step_draft_cost(state)
         share = self.model_share(state) if behind else None
-        suffix = toks and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost, share=share,
-                                              verify_ratio=verify_ratio)
+        suffix = bool(toks) and self.prefers_suffix(sum(scores), model_k, behind, remaining, draft_cost=cost,
+                                                    share=share, verify_ratio=verify_ratio)
         if not suffix and k > 0 and (length is not None or not toks) \
                 and self.model_rate(model_k, behind, remaining, draft_cost=cost, share=share) < plain_rate:
             # the model would yield less than a plain step: a sized suffix tree (its sizing found it worth more than
-            # nothing) or else a plain step
-            suffix = bool(toks)
-            if not suffix:
+            # nothing), else a plain step
+            if not toks:
                 write_tree(state, [], [], [])
                 sc["last"] = ("plain", n, tree, 0)
                 extra["plain_steps"] += 1
                 return
+            suffix = True
         if suffix:
             if length is not None:  # settled by the suffix drafter's rates at the next step
                 state.scratch(self.suffix)["auto_last"] = (n, toks, parents, match)
