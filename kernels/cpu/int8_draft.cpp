@@ -8,7 +8,8 @@
 //
 // Weights: Int8Linear objects (one per GEMM weight, made by kernels.linear.Int8Weight for this level and shared
 // with its eager linear): int8 values and per-row scales, packed once for the int8 GEMM, and on request
-// rounded again to int4 (int4_gemm.h, avx512 and avx2).
+// rounded again to int4 (int4_gemm.h, avx512 and avx2). A prefill's products (kPrefillTokens) run on the prefill GEMM
+// (int8_gemm.h: the same weights, activations rounded to bf16; avx512 and amx).
 
 #include <torch/custom_class.h>
 #include <torch/script.h>
@@ -36,6 +37,12 @@ using graphspec_native::Int8Matrix;  // int8_gemm.h: graphspec's int8 GEMM (ever
 // rows the int4 loop is compute-bound and slower than the int8 one (perf/RESULTS.md).
 constexpr int64_t kInt4Rows = 3;
 
+// A forward of at least this many tokens of each sequence and no tree (a prompt's prefill, a catch-up) runs the
+// layers' products on the prefill GEMM (int8_gemm.h: activations rounded to bf16, twice the products an
+// instruction; avx512 and amx) where the level has it. Fewer rows are a decode step, a verify of the draft's own
+// or a short catch-up, whose bits stay the fp32 GEMM's; at 16 rows the fp32 GEMM is bound by its arithmetic.
+constexpr int64_t kPrefillTokens = 16;
+
 // One int8 weight: q int8 [N, K] and fp32 scales [N] (symmetric per output row, as kernels.linear.quantize_weight
 // makes them), packed for this level's int8 GEMM, and its int4 rounding once asked for.
 struct Int8Linear : torch::CustomClassHolder {
@@ -52,6 +59,15 @@ struct Int8Linear : torch::CustomClassHolder {
   int64_t in_features() const { return own.k; }
   // y [rows, N] fp32 = x [rows, K] fp32 times the weight (int8 GEMM).
   at::Tensor forward(at::Tensor x) const { return graphspec_native::int8_linear(x.contiguous(), own); }
+  // The same on the prefill GEMM (activations rounded to bf16) where this level has one, else forward's.
+  at::Tensor forward_prefill(at::Tensor x) const {
+#if GS_HAVE_I8_PREFILL
+    return graphspec_native::int8_linear_prefill(x.contiguous(), own);
+#else
+    return forward(std::move(x));
+#endif
+  }
+  static bool has_prefill_gemm() { return GS_HAVE_I8_PREFILL != 0; }
   // The same through the int4 rounding (packed on first call; avx512 and avx2).
   at::Tensor forward4(at::Tensor x) {
     ensure_int4();
@@ -71,7 +87,10 @@ using Linear = c10::intrusive_ptr<Int8Linear>;
 // Which GEMM a forward's layers run (Int8Draft::set_gemm).
 enum class Gemm { kInt8, kInt4 };
 
-at::Tensor run_gemm(const Linear& w, const at::Tensor& x, Gemm g) {
+at::Tensor run_gemm(const Linear& w, const at::Tensor& x, Gemm g, bool prefill) {
+#if GS_HAVE_I8_PREFILL
+  if (prefill) return graphspec_native::int8_linear_prefill(x, w->own);
+#endif
   if (g == Gemm::kInt4 && x.size(0) <= kInt4Rows) return graphspec_native::int4_linear(x, w->own4);
   return graphspec_native::int8_linear(x, w->own);
 }
@@ -112,23 +131,29 @@ struct Int8Draft : torch::CustomClassHolder {
       for (Linear& w : *ws) w->drop_int4();
   }
 
-  // The layers' products on the GEMM chosen, the lm_head's on int8.
-  at::Tensor product(const Linear& w, const at::Tensor& x, bool head) const {
-    return run_gemm(w, x, head ? Gemm::kInt8 : layers_gemm);
+  // The layers' products on the GEMM chosen (in a prefill the prefill GEMM), the lm_head's on int8.
+  at::Tensor product(const Linear& w, const at::Tensor& x, bool head, bool prefill) const {
+    return run_gemm(w, x, head ? Gemm::kInt8 : layers_gemm, prefill && !head);
   }
 
-  // LayerStack::forward and forward_many (layer_stack.h) on this model's GEMMs.
+  // LayerStack::forward and forward_many (layer_stack.h) on this model's GEMMs. forward_many (sequences of
+  // different lengths in one product) stays on the fp32 GEMM, so a sequence's bits never depend on the others'.
   at::Tensor forward(at::Tensor h_in, at::Tensor cos_t, at::Tensor sin_t, int64_t start, std::vector<at::Tensor> kc,
                      std::vector<at::Tensor> vc, Linear head, c10::optional<at::Tensor> rows,
                      c10::optional<at::Tensor> mask) {
+    const bool prefill = !mask.has_value() && h_in.dim() == 3 && h_in.size(1) >= kPrefillTokens;
     return stack.forward(h_in, cos_t, sin_t, start, kc, vc, head, rows, mask,
-                         [this](const Linear& w, const at::Tensor& x, bool hd) { return product(w, x, hd); });
+                         [this, prefill](const Linear& w, const at::Tensor& x, bool hd) {
+                           return product(w, x, hd, prefill);
+                         });
   }
   at::Tensor forward_many(at::Tensor h_in, at::Tensor cos_t, at::Tensor sin_t, std::vector<int64_t> starts,
                           std::vector<int64_t> lens, std::vector<at::Tensor> kc, std::vector<at::Tensor> vc,
                           Linear head, at::Tensor picked, std::vector<at::Tensor> masks) {
     return stack.forward_many(h_in, cos_t, sin_t, starts, lens, kc, vc, head, picked, masks,
-                              [this](const Linear& w, const at::Tensor& x, bool hd) { return product(w, x, hd); });
+                              [this](const Linear& w, const at::Tensor& x, bool hd) {
+                                return product(w, x, hd, false);
+                              });
   }
 };
 
@@ -139,6 +164,8 @@ GS_LIBRARY_FRAGMENT(m) {
       .def(torch::init<at::Tensor, at::Tensor>())
       .def("forward", &Int8Linear::forward)
       .def("forward4", &Int8Linear::forward4)
+      .def("forward_prefill", &Int8Linear::forward_prefill)
+      .def_static("has_prefill_gemm", &Int8Linear::has_prefill_gemm)
       .def("drop_int4", &Int8Linear::drop_int4)
       .def("has_int4", &Int8Linear::has_int4)
       .def("out_features", &Int8Linear::out_features)

@@ -3,14 +3,15 @@
 // inlines it. Also the helpers that the int4 GEMM (int4_gemm.h) shares: the activation rounding, the input
 // checks, the row chunks and the tile loop.
 //
-// What it computes: int8 weights (symmetric, one fp32 scale per output row) times fp32 activations, each
-// weight widened to fp32 in registers: y[m, n] = s_n * sum_k q[n, k] * x[m, k], fp32 sums. The activations are
-// not rounded. Why: rounding them to 8 bits a row (what this GEMM did before, and what fbgemm does per call)
-// made SmolLM2-135M a poor draft (its greedy choice agreed with its float self clearly less often), because
-// real activations have outlier channels, far above the rest, that take a row's whole range; with the weights
-// alone in int8 it stays a good draft (tests/models/test_draft_quality.py; figures in perf/RESULTS.md). A decode step reads
-// one byte a weight either way, which is what bounds it; products of several rows cost more arithmetic than
-// with 8-bit activations, a small part of a draft's time (its steps are mostly one row).
+// What it computes: int8 weights (symmetric, one fp32 scale per output row) times fp32 activations, each weight
+// widened to fp32 in registers: y[m, n] = s_n * sum_k q[n, k] * x[m, k], fp32 sums. The activations are not rounded
+// (int8_linear_prefill, at the end of this file, rounds a prefill's to bf16). Why: rounding them to 8 bits a row
+// (what this GEMM did before, and what fbgemm does per call) made SmolLM2-135M a poor draft (its greedy choice
+// agreed with its float self clearly less often), because real activations have outlier channels, far above the
+// rest, that take a row's whole range; with the weights alone in int8 it stays a good draft
+// (tests/models/test_draft_quality.py; figures in perf/RESULTS.md). A decode step reads one byte a weight either
+// way, which is what bounds it; products of several rows cost more arithmetic than with 8-bit activations, a small
+// part of a draft's time (its steps are mostly one row).
 //
 // Layout (pack_int8): an int8 [N, K] weight becomes blocks of 16 outputs, each [K, 16] (for each input k, the
 // 16 outputs' weights side by side), zero padded to whole blocks; beside it the scales, padded the same way.
@@ -278,5 +279,131 @@ inline at::Tensor int8_linear(const at::Tensor& x, const Int8Matrix& w) {
   });
   return y;
 }
+
+
+#if GS_AVX512
+#define GS_HAVE_I8_PREFILL 1
+
+// A prefill's int8 GEMM (int8_linear_prefill; the avx512 and amx levels): the same weights and scales, the
+// activations rounded to bf16 (to nearest even) and the products added by vdpbf16ps, two inputs a step. Why: the
+// fp32 GEMM above widens each weight to fp32 for an FMA, 16 products an instruction, so a product of more than
+// two rows is bound by arithmetic, not by its bytes, and a draft's prefill of a long prompt took about twice as
+// long a token as the same model's bf16 prefill. vdpbf16ps makes 32 products an instruction; an int8 weight is
+// exact in bf16, and a bf16 x int8 product exact in fp32, so the only new rounding is x's (8 significant bits,
+// as a bf16 model's activations). A draft may compute anything without breaking losslessness; its forward takes
+// this path for a whole prefill only (int8_draft.cpp), so a sequence's bits still depend on its own rows alone.
+//
+// How: each tile of up to kI8PrefillBlocks blocks widens its weights once into a buffer of bf16 pairs in the
+// bf16 linear's layout ([blocks, K/2, 16, 2]; linear.cpp), then multiplies every chunk of up to
+// kI8PrefillRows rows of x with it from cache: the bf16 linear's register tile, fp32 sums per output in k order.
+constexpr int kI8PrefillRows = 6;    // rows per register tile: 6 x 4 zmm sums
+constexpr int kI8PrefillBlocks = 4;  // blocks per tile
+
+// Rows of x [rows, k] fp32 -> [rows, kp] bf16 pairs (kp = ceil(k / 2), the last pair's odd half 0 for an odd k),
+// rounded to nearest even by vcvtneps2bf16.
+inline void round_rows_bf16(const float* x, int64_t rows, int64_t k, uint16_t* out, int64_t kp) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) {
+      const float* xr = x + m * k;
+      uint16_t* o = out + m * 2 * kp;
+      for (int64_t i = 0; i < k; i += 16) {
+        const int64_t valid = std::min<int64_t>(16, k - i);
+        const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, xr + i));
+        _mm256_mask_storeu_epi16(o + i, mask, (__m256i)b);
+      }
+      if (k & 1) o[k] = 0;
+    }
+  });
+}
+
+// Blocks b0 .. b0 + tb - 1 of the packed int8 weight ([K, 16] each) -> bf16 pairs [tb, kp, 16] (uint32: input 2p
+// in the low half, 2p + 1 in the high half, 0 past K). An int8 value's fp32 form has 16 zero low bits, so its
+// top 16 bits are its exact bf16.
+inline void widen_blocks_bf16(const int8_t* w, int64_t k, int64_t kp, int tb, uint32_t* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int j = 0; j < tb; ++j) {
+    const int8_t* wb = w + j * k * kI8Block;
+    uint32_t* ob = out + j * kp * kI8Block;
+    for (int64_t p = 0; p < kp; ++p) {
+      const int8_t* w0 = wb + 2 * p * kI8Block;
+      const __m512i e = _mm512_castps_si512(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0)))));
+      __m512i o = _mm512_setzero_si512();
+      if (2 * p + 1 < k)
+        o = _mm512_castps_si512(_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + kI8Block)))));
+      _mm512_storeu_si512(ob + p * kI8Block, _mm512_or_si512(_mm512_srli_epi32(e, 16), _mm512_and_si512(o, high)));
+    }
+  }
+}
+
+// y[m, f0 .. f0 + NB*16) for M rows of x (bf16 pairs, row stride ldx) and NB blocks of widened weights (each
+// [kp, 16] pairs), times the scales.
+template <int M, int NB>
+inline void int8_prefill_tile(const uint32_t* __restrict x, int64_t ldx, const uint32_t* __restrict w, int64_t kp,
+                              const float* __restrict ws, float* __restrict y, int64_t ldy, int64_t f0, int64_t n) {
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + (j * kp + p) * kI8Block);
+    for (int m = 0; m < M; ++m) {
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)wv[j], (__m512bh)xb);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const int64_t f = f0 + j * kI8Block;
+    if (f >= n) break;
+    const __mmask16 mask = block_mask(f, n);
+    const __m512 s = _mm512_loadu_ps(ws + f);
+    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy + f, mask, _mm512_mul_ps(acc[j][m], s));
+  }
+}
+
+inline void int8_prefill_tile_any(int rows, int nb, const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t kp,
+                                  const float* ws, float* y, int64_t ldy, int64_t f0, int64_t n) {
+  switch (rows * 8 + nb) {
+#define GS_I8P_TILE(R, B) \
+  case R * 8 + B: int8_prefill_tile<R, B>(x, ldx, w, kp, ws, y, ldy, f0, n); return;
+#define GS_I8P_ROWS(R) GS_I8P_TILE(R, 1) GS_I8P_TILE(R, 2) GS_I8P_TILE(R, 3) GS_I8P_TILE(R, 4)
+    GS_I8P_ROWS(1) GS_I8P_ROWS(2) GS_I8P_ROWS(3) GS_I8P_ROWS(4) GS_I8P_ROWS(5) GS_I8P_ROWS(6)
+#undef GS_I8P_ROWS
+#undef GS_I8P_TILE
+    default: TORCH_CHECK(false, "int8 prefill GEMM: internal error, a ", rows, " x ", nb, " tile");
+  }
+}
+
+// y [rows, N] fp32 = x [rows, K] fp32 (contiguous), rounded to bf16, times the packed weight, as described above.
+inline at::Tensor int8_linear_prefill(const at::Tensor& x, const Int8Matrix& w) {
+  check_gemm_input(x, w.k, "int8 prefill GEMM");
+  const int64_t rows = x.size(0), n = w.n, k = w.k, nb = w.blocks(), kp = (k + 1) / 2;
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  std::vector<uint32_t> xb(static_cast<size_t>(rows * kp));
+  round_rows_bf16(x.data_ptr<float>(), rows, k, reinterpret_cast<uint16_t*>(xb.data()), kp);
+  const int64_t step = chunk_rows(rows, kI8PrefillRows);
+  const int8_t* wd = w.data.data_ptr<int8_t>();
+  const float* ws = w.scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (nb + kI8PrefillBlocks - 1) / kI8PrefillBlocks;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint32_t> wb(static_cast<size_t>(kI8PrefillBlocks * kp * kI8Block));  // this thread's tile
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = t * kI8PrefillBlocks;
+      const int tb = static_cast<int>(std::min<int64_t>(kI8PrefillBlocks, nb - b0));
+      widen_blocks_bf16(wd + b0 * k * kI8Block, k, kp, tb, wb.data());
+      for (int64_t r = 0; r < rows; r += step)
+        int8_prefill_tile_any(static_cast<int>(std::min(step, rows - r)), tb, xb.data() + r * kp, kp, wb.data(), kp,
+                              ws, yp + r * n, n, b0 * kI8Block, n);
+    }
+  });
+  return y;
+}
+#else
+#define GS_HAVE_I8_PREFILL 0
+#endif  // GS_AVX512
 
 }  // namespace graphspec_native

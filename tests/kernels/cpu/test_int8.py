@@ -198,6 +198,76 @@ def test_int8_gemm_is_its_definition_in_torch(n, k, level):
     check_gemm_contract(gemm, x, n, columns_error="columns")
 
 
+def _has_prefill_gemm(level):
+    return bool(cpu.classes(level).Int8Linear.has_prefill_gemm())
+
+
+@pytest.mark.parametrize("n,k", [(37, 21), (200, 577), (130, 1536), (1, 3), (2000, 96), (17, 8960)])
+def test_the_prefill_gemm_is_its_definition_on_bf16_activations(n, k, level):
+    """Where the level has one (avx512), the prefill GEMM is the int8 GEMM of x rounded to bf16: every product of a
+    bf16 and an int8 value is exact in fp32, so the sums are within the sequential bound of that exact result.
+    Elsewhere it is the fp32 GEMM itself."""
+    qw, x = _gemm_inputs(n, k, rows=41)
+    gemm = qw.native()
+    xb = x.bfloat16().float()
+    assert not torch.equal(xb, x)  # x is not bf16 already, so the rounding shows
+    ref = (xb.double() @ qw.q.double().t() * qw.scales.double()).float()
+    for rows in (1, 5, 6, 7, 16, 41):  # every register tile height, and the equal chunks past them
+        y = gemm.forward_prefill(x[:rows])
+        assert y.shape == (rows, n)
+        if not _has_prefill_gemm(level):
+            assert torch.equal(y, gemm.forward(x[:rows]))
+            continue
+        assert _close(y, xb[:rows], qw, ref[:rows]), (rows, (y - ref[:rows]).abs().max())
+        if rows > 1:  # a row's bits do not depend on the rows beside it
+            assert torch.equal(y[rows - 1], gemm.forward_prefill(x[rows - 1:rows])[0])
+    if _has_prefill_gemm(level):
+        assert not torch.equal(gemm.forward_prefill(x), gemm.forward(x))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = gemm.forward_prefill(x)
+        torch.set_num_threads(1)
+        assert torch.equal(gemm.forward_prefill(x), two)  # nor on the thread count
+    finally:
+        torch.set_num_threads(threads)
+    assert gemm.forward_prefill(x[:0]).shape == (0, n)
+    with pytest.raises(RuntimeError, match="columns"):
+        gemm.forward_prefill(torch.zeros(1, k + 1))
+
+
+def test_a_long_prefill_runs_the_prefill_gemm_and_stays_close(model, level):
+    """A forward of 16 or more tokens without a tree takes the prefill GEMM where the level has one: close to the
+    general forward (fp32 activations), and the same bits as shorter chunks (the fp32 GEMM) only where the level
+    has none. Shorter forwards, trees and batches of sequences are tested above on the fp32 GEMM's bits."""
+    ids = _ids(model, 6)[:, :20]
+    native, cache_n = _run_chunks(model, True, ids, (20,))
+    general, cache_g = _run_chunks(model, False, ids, (20,))
+    chunked, cache_c = _run_chunks(model, True, ids, (10, 10))
+    n = ids.shape[1]
+    for i in range(model.config.num_hidden_layers):
+        for a, b, c in ((cache_n.k[i], cache_g.k[i], cache_c.k[i]), (cache_n.v[i], cache_g.v[i], cache_c.v[i])):
+            a, b, c = a[:, :n], b[:, :n], c[:, :n]
+            assert b.abs().max() > 0.1
+            # bf16 activations: relative error 2^-9 an input, a few layers deep
+            assert (a - b).abs().max() <= 0.03 * b.abs().max(), (i, (a - b).abs().max())
+            assert_rows_close(c, b, ATOL)  # the chunks' fp32 GEMM
+            assert torch.equal(a, c) != _has_prefill_gemm(level)
+    assert (native - general).abs().max() <= 0.05 * general.abs().max()
+
+
+def _run_chunks(model, cpp, ids, chunks):
+    """The last row's logits and the cache of ``ids`` fed in ``chunks`` (C++ forward or the general one)."""
+    model.native_forward = cpp
+    try:
+        cache = model.new_cache(64)
+        for j0, j1 in zip((0, *torch.tensor(chunks).cumsum(0).tolist()[:-1]), torch.tensor(chunks).cumsum(0).tolist()):
+            logits = model.step(ids[:, j0:j1], cache, logits_for="last")
+        return logits, cache
+    finally:
+        model.native_forward = True
+
+
 def test_avx512_and_avx2_give_the_same_int8_bits_and_generic_is_close():
     """Both add the products in the same order with FMAs, so a draft proposes the same tokens on either."""
     qw, x = _gemm_inputs(300, 1000, rows=9)
