@@ -39,9 +39,10 @@ constexpr int64_t kInt4Rows = 3;
 
 // A forward of at least this many tokens of each sequence and no tree (a prompt's prefill, a catch-up) runs the
 // layers' products on the prefill GEMM (int8_gemm.h: activations rounded to bf16, twice the products an
-// instruction; avx512 and amx) where the level has it. Fewer rows are a decode step, a verify of the draft's own
-// or a short catch-up, whose bits stay the fp32 GEMM's; at 16 rows the fp32 GEMM is bound by its arithmetic.
-constexpr int64_t kPrefillTokens = 16;
+// instruction; avx512 and amx) where the level has it. Fewer rows (a decode step, a short catch-up) keep the fp32
+// GEMM's bits; the 0.5B draft's products measured the two about even at 6 rows and the prefill GEMM 1.2-1.6x
+// faster at 8, its weights' widening included (perf/RESULTS.md).
+constexpr int64_t kPrefillTokens = 8;
 
 // One int8 weight: q int8 [N, K] and fp32 scales [N] (symmetric per output row, as kernels.linear.quantize_weight
 // makes them), packed for this level's int8 GEMM, and its int4 rounding once asked for.

@@ -12,7 +12,7 @@ graphspec's int8 GEMM (``int8_gemm.h``).
 - ``quantize="int4"`` models start on the "int4" GEMM (``int4_gemm.h``; amx, avx512 and avx2): the layers' products
   of up to 3 rows with the int8 weights rounded again to 4 bits in groups of 64 inputs, packed on the first
   switch (about 0.56x the int8 bytes more); larger ones and the lm_head on the int8 GEMM.
-- A forward of 16 or more tokens a sequence without a tree (a prompt's prefill, a draft's catch-up; not
+- A forward of 8 or more tokens a sequence without a tree (a prompt's prefill, a draft's catch-up; not
   ``forward_many``) runs the layers' products with the activations rounded to bf16 (vdpbf16ps: twice the fp32
   GEMM's products an instruction, so about half its time a prefill token), at the avx512 and amx levels;
   elsewhere, and for every shorter forward, the fp32 GEMM.
