@@ -109,6 +109,9 @@ HYBRID_PRIOR_SUFFIX = 4.0
 # 2026-12-03, perf/RESULTS.md): a prefill costs 0.27-0.31 of a one-token forward per token from 32 to 900 tokens,
 # 0.29 at 32; below 16 tokens the fixed part of a forward shows (2 tokens: 0.53 a token), so 32 is about the
 # smallest probe that prices a prompt's prefill; measuring takes 0.7 s there (1.6 s on a model's first forwards).
+# Since int8 drafts prefill on bf16 activations (8 or more tokens, avx512 and amx; kernels/cpu/int8_draft.py) it
+# measured 0.22-0.24 there (2026-12-08); a catch-up of 2-7 tokens still runs the fp32 GEMM, at about twice the
+# probe's price a token: a few draft forwards at most, which the rule prices low.
 HYBRID_PREFILL_PROBE = 32
 
 
