@@ -260,9 +260,10 @@ def _run_chunks(model, cpp, ids, chunks):
     """The last row's logits and the cache of ``ids`` fed in ``chunks`` (C++ forward or the general one)."""
     model.native_forward = cpp
     try:
-        cache = model.new_cache(64)
-        for j0, j1 in zip((0, *torch.tensor(chunks).cumsum(0).tolist()[:-1]), torch.tensor(chunks).cumsum(0).tolist()):
-            logits = model.step(ids[:, j0:j1], cache, logits_for="last")
+        cache, j = model.new_cache(64), 0
+        for n in chunks:
+            logits = model.step(ids[:, j:j + n], cache, logits_for="last")
+            j += n
         return logits, cache
     finally:
         model.native_forward = True
