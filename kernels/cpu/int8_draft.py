@@ -12,11 +12,11 @@ graphspec's int8 GEMM (``int8_gemm.h``).
 - ``quantize="int4"`` models start on the "int4" GEMM (``int4_gemm.h``; amx, avx512 and avx2): the layers' products
   of up to 3 rows with the int8 weights rounded again to 4 bits in groups of 64 inputs, packed on the first
   switch (about 0.56x the int8 bytes more); larger ones and the lm_head on the int8 GEMM.
+  ``draft_for(model).set_gemm("int8" | "int4")`` switches one model; ``using_gemm`` for a block.
 - A forward of 8 or more tokens a sequence without a tree (a prompt's prefill, a draft's catch-up; not
   ``forward_many``) runs the layers' products with the activations rounded to bf16 (vdpbf16ps: twice the fp32
   GEMM's products an instruction, so about half its time a prefill token), at the avx512 and amx levels;
   elsewhere, and for every shorter forward, the fp32 GEMM.
-  ``draft_for(model).set_gemm("int8" | "int4")`` switches one model; ``using_gemm`` for a block.
 - Numerics: not the general forward's bits (fp32 sums in another order, a polynomial exp), with the same
   int8 GEMM; a draft may compute anything without breaking losslessness, and the pipeline's exactness tests
   run through this path too. This module reads the model's fields (``layers``, ``config``, ``norm``, ``scale``,
