@@ -307,8 +307,7 @@ inline void round_rows_bf16(const float* x, int64_t rows, int64_t k, uint16_t* o
       const float* xr = x + m * k;
       uint16_t* o = out + m * 2 * kp;
       for (int64_t i = 0; i < k; i += 16) {
-        const int64_t valid = std::min<int64_t>(16, k - i);
-        const __mmask16 mask = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+        const __mmask16 mask = block_mask(i, k);  // the inputs i .. i + 15 that exist
         const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, xr + i));
         _mm256_mask_storeu_epi16(o + i, mask, (__m256i)b);
       }
