@@ -58,12 +58,12 @@ def model(request, tmp_path_factory):
 CHUNKS = (7, 1, 2, 1, 3, 1, 5)  # a prefill, then one-token proposals and multi-token catch-ups
 
 
-def _run(model, cpp, ids, positions=None, head=None, logits_for="all"):
+def _run(model, cpp, ids, positions=None, head=None, logits_for="all", chunks=CHUNKS):
     """Logits of every chunk after the prefill, concatenated on the row axis, and the final cache: through the
     C++ forward (``cpp``) or the general one."""
     model.native_forward = cpp
     try:
-        return chunked_steps(model, ids, CHUNKS, positions, head, logits_for)
+        return chunked_steps(model, ids, chunks, positions, head, logits_for)
     finally:
         model.native_forward = True
 
@@ -240,10 +240,10 @@ def test_a_long_prefill_runs_the_prefill_gemm_and_stays_close(model, level):
     """A forward of 8 or more tokens without a tree takes the prefill GEMM where the level has one: close to the
     general forward (fp32 activations), and the same bits as shorter chunks (the fp32 GEMM) only where the level
     has none. Shorter forwards, trees and batches of sequences are tested above on the fp32 GEMM's bits."""
-    ids = _ids(model, 6)[:, :20]
-    native, cache_n = _run_chunks(model, True, ids, (20,))
-    general, cache_g = _run_chunks(model, False, ids, (20,))
-    chunked, cache_c = _run_chunks(model, True, ids, (7, 7, 6))
+    ids = _ids(model, 6)[:, :20]  # a prefill of 19 tokens, then one step (the fp32 GEMM everywhere)
+    native, cache_n = _run(model, True, ids, chunks=(19, 1))
+    general, cache_g = _run(model, False, ids, chunks=(19, 1))
+    chunked, cache_c = _run(model, True, ids, chunks=(7, 7, 5, 1))
     n = ids.shape[1]
     for i in range(model.config.num_hidden_layers):
         for a, b, c in ((cache_n.k[i], cache_g.k[i], cache_c.k[i]), (cache_n.v[i], cache_g.v[i], cache_c.v[i])):
@@ -254,19 +254,6 @@ def test_a_long_prefill_runs_the_prefill_gemm_and_stays_close(model, level):
             assert_rows_close(c, b, ATOL)  # the chunks' fp32 GEMM
             assert torch.equal(a, c) != _has_prefill_gemm(level)
     assert (native - general).abs().max() <= 0.05 * general.abs().max()
-
-
-def _run_chunks(model, cpp, ids, chunks):
-    """The last row's logits and the cache of ``ids`` fed in ``chunks`` (C++ forward or the general one)."""
-    model.native_forward = cpp
-    try:
-        cache, j = model.new_cache(64), 0
-        for n in chunks:
-            logits = model.step(ids[:, j:j + n], cache, logits_for="last")
-            j += n
-        return logits, cache
-    finally:
-        model.native_forward = True
 
 
 def test_avx512_and_avx2_give_the_same_int8_bits_and_generic_is_close():
